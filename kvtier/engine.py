@@ -1,0 +1,118 @@
+"""Both halves in one process: the tier manager plus its mover, driven synchronously.
+
+This is what the tests, the benchmarks and the scripted demo drive, and what an in-process vLLM
+engine amounts to. Each call plans with the manager, runs the job on the mover and completes it,
+so when a call returns its effect is durable (for NVMe) and visible.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from kvtier.index import Tier
+from kvtier.jobs import Job, JobResult
+from kvtier.layout import ModelFingerprint, adapter_for
+from kvtier.manager import TierManager
+from kvtier.mover import Mover
+from kvtier.tiers.dram import DramArena
+from kvtier.tiers.nvme import NvmeStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from kvtier.config import Settings
+
+__all__ = ["TierEngine"]
+
+
+class TierEngine:
+    def __init__(
+        self,
+        fingerprint: ModelFingerprint,
+        dram_bytes: int,
+        nvme_dir: str | Path | None = None,
+        nvme_bytes: int = 0,
+        policy: str = "lru",
+        kv_layers: "Sequence[torch.Tensor] | None" = None,
+        layout: str = "cpu",
+        io_threads: int = 4,
+        direct_io: str = "auto",
+        high_watermark: float = 0.90,
+        low_watermark: float = 0.75,
+    ):
+        self.fingerprint = fingerprint
+        self.nvme = NvmeStore(nvme_dir, nvme_bytes, io_threads, direct_io) if nvme_dir and nvme_bytes else None
+        records = self.nvme.scan() if self.nvme is not None else []
+        self.manager = TierManager(fingerprint, dram_bytes, nvme_bytes if self.nvme is not None else 0, policy,
+                                   high_watermark, low_watermark, records)
+        self.arena = DramArena.for_allocator(self.manager.slots)
+        adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
+        self.mover = Mover(fingerprint, self.arena, self.nvme, adapter, kv_layers)
+
+    @classmethod
+    def from_settings(cls, fingerprint: ModelFingerprint, settings: "Settings", **kwargs) -> "TierEngine":
+        return cls(fingerprint, settings.dram_bytes, settings.nvme_dir, settings.nvme_bytes, settings.policy,
+                   io_threads=settings.io_threads, direct_io=settings.direct_io,
+                   high_watermark=settings.high_watermark, low_watermark=settings.low_watermark, **kwargs)
+
+    def execute(self, job: Job | None) -> JobResult | None:
+        if job is None:
+            return None
+        result = self.mover.run(job)
+        self.manager.complete(result)
+        return result
+
+    def maintain(self, force: bool = False) -> None:
+        """Run the watermark demotions (``force``: even below the high watermark)."""
+        for job in self.manager.maintenance(force):
+            self.execute(job)
+
+    # ---- the data path ------------------------------------------------------------------------
+    def store(self, session_id: str, namespace: bytes, keys: Sequence[bytes], device_blocks: Sequence[int],
+              num_tokens: int = 0) -> int:
+        """Store the session's blocks not yet held; returns how many were stored."""
+        self.manager.record_session(session_id, namespace, keys, num_tokens)
+        stored = 0
+        while True:
+            job = self.manager.prepare_store(session_id, namespace, keys, device_blocks)
+            result = self.execute(job)
+            if job is None or result is None:
+                break
+            stored += len(job.moves) - len(self.manager._failed_positions(job, result))
+            before = self.manager.slots.free_slots
+            self.maintain(force=self.manager.slots.free_slots == 0)
+            if self.manager.slots.free_slots <= before:  # no room could be made: store no more
+                break
+        return stored
+
+    def load(self, namespace: bytes, keys: Sequence[bytes], device_blocks: Sequence[int]) -> int:
+        """Load the longest stored prefix of ``keys`` into HBM blocks; returns blocks loaded."""
+        rows = self.manager.lookup(namespace, keys)
+        job = self.manager.prepare_load(rows, device_blocks[: len(rows)])
+        result = self.execute(job)
+        if job is None or result is None:
+            return 0
+        return min(result.failed) if result.failed else len(job.moves)
+
+    # ---- operator actions ---------------------------------------------------------------------
+    def pin(self, session_id: str, tier: Tier = Tier.DRAM) -> None:
+        self.execute(self.manager.pin(session_id, tier))
+
+    def unpin(self, session_id: str) -> None:
+        self.manager.unpin(session_id)
+
+    def evict(self, session_id: str, to: Tier | None) -> None:
+        self.execute(self.manager.evict(session_id, to))
+
+    def snapshot(self, session_id: str, path: str | Path) -> JobResult:
+        return self.execute(self.manager.prepare_snapshot(session_id, str(path)))
+
+    def restore(self, path: str | Path, tier: Tier = Tier.DRAM) -> JobResult | None:
+        from kvtier.snapshot import open_snapshot
+
+        return self.execute(self.manager.prepare_restore(open_snapshot(path), tier))
+
+    def close(self) -> None:
+        self.mover.close()
+        if self.nvme is not None:
+            self.nvme.close()

@@ -1,0 +1,255 @@
+"""Scheduler-side state: the block index, sessions and pins. Plain data structures, no IO.
+
+Keys. A block is found by ``(namespace, block_hash)``: ``block_hash`` is vLLM's chained block hash
+(it already covers every token before the block), ``namespace`` is a 16-byte digest of the model
+fingerprint and the request's cache salt (``namespace_of``). Two models or two tenants therefore
+never share a block, and a lookup needs no hashing of its own.
+
+Memory. The index must stay small at millions of blocks, so per-block metadata lives in numpy
+columns indexed by a row number (``BlockIndex.col``), and the only per-block Python objects are the
+key and the dict entry that maps it to its row (about 180 bytes a block in all; see
+``kvtier bench tiers``).
+
+Two phases. ``refs`` counts jobs in flight on a block (loads, demotions, snapshots); a block with
+``refs > 0`` is never chosen as a victim, and a block being stored is invisible to lookups until its
+store completes.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from kvtier.errors import UsageError
+
+__all__ = [
+    "Tier",
+    "IN_DRAM",
+    "IN_NVME",
+    "PENDING",
+    "namespace_of",
+    "chain_block_hashes",
+    "validate_session_id",
+    "Session",
+    "BlockIndex",
+]
+
+
+class Tier(IntEnum):
+    """Where KV lives; a lower value is hotter."""
+
+    HBM = 0
+    DRAM = 1
+    NVME = 2
+
+    @classmethod
+    def parse(cls, name: str) -> "Tier":
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise UsageError(f"unknown tier {name!r}", hint="one of: hbm, dram, nvme") from None
+
+
+IN_DRAM = 1
+IN_NVME = 2
+PENDING = 4  # being stored: invisible to lookups, not yet a victim candidate
+
+NO_SLOT = -1
+_SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$")
+
+
+def namespace_of(fingerprint: bytes, cache_salt: str | None = None) -> bytes:
+    """16-byte namespace of (model fingerprint, tenant cache salt)."""
+    salt = (cache_salt or "").encode()
+    return hashlib.blake2b(fingerprint + b"\0" + salt, digest_size=16).digest()
+
+
+def chain_block_hashes(token_ids: Sequence[int], block_tokens: int, parent: bytes = b"") -> list[bytes]:
+    """Chained sha256 hashes of each full block, as vLLM computes them (used without vLLM)."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        chunk = np.asarray(token_ids[start : start + block_tokens], dtype=np.int64).tobytes()
+        parent = hashlib.sha256(parent + chunk).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def validate_session_id(session_id: str) -> str:
+    """Session ids reach file names and URLs: allow a safe alphabet only."""
+    if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
+        raise UsageError(
+            f"invalid session id {session_id!r}",
+            hint="use 1-128 characters from A-Z a-z 0-9 . _ : @ + = - (not starting with a symbol)",
+        )
+    return session_id
+
+
+@dataclass
+class Session:
+    """One conversation's KV: its ordered block keys and how it is held."""
+
+    session_id: str
+    namespace: bytes
+    keys: list[bytes] = field(default_factory=list)
+    num_tokens: int = 0
+    last_use: float = field(default_factory=time.time)
+    pinned: Tier | None = None
+    hot: bool = False  # vLLM holds it in HBM (reported by the connector)
+
+
+class BlockIndex:
+    """Blocks by key, with their metadata in numpy columns (see the module docstring)."""
+
+    COLUMNS = {
+        "flags": np.uint8,
+        "dram_slot": np.int32,
+        "dram_nbytes": np.uint32,
+        "nvme_nbytes": np.uint32,
+        "dram_codec": np.uint8,
+        "nvme_codec": np.uint8,
+        "refs": np.int32,
+        "pin": np.uint8,  # 0: not pinned; else the coldest Tier the block may sink to
+        "ns": np.uint16,
+        "last_use": np.uint64,
+    }
+
+    def __init__(self, capacity: int = 1024):
+        self._maps: dict[bytes, dict[bytes, int]] = {}
+        self._namespaces: list[bytes] = []
+        self._keys: list[bytes | None] = []
+        self._free_rows: list[int] = []
+        self.col = {name: np.zeros(capacity, dtype) for name, dtype in self.COLUMNS.items()}
+        self.col["dram_slot"][:] = NO_SLOT
+        self._clock = 0
+        self.codecs: list[str] = ["none"]  # codec id -> name, shared by both tiers
+
+    # ---- rows -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._keys) - len(self._free_rows)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.col["flags"])
+
+    def _grow(self) -> None:
+        new = max(1024, self.capacity * 2)
+        for name, column in self.col.items():
+            grown = np.zeros(new, column.dtype)
+            grown[: len(column)] = column
+            if name == "dram_slot":
+                grown[len(column) :] = NO_SLOT
+            self.col[name] = grown
+
+    def _ns_id(self, namespace: bytes) -> int:
+        if namespace not in self._maps:
+            self._maps[namespace] = {}
+            self._namespaces.append(namespace)
+        return self._namespaces.index(namespace)
+
+    def codec_id(self, name: str) -> int:
+        if name not in self.codecs:
+            self.codecs.append(name)
+        return self.codecs.index(name)
+
+    def add(self, namespace: bytes, key: bytes, flags: int) -> int:
+        """A new row for ``key`` (which must not be indexed yet)."""
+        if self._free_rows:
+            row = self._free_rows.pop()
+            self._keys[row] = key
+        else:
+            row = len(self._keys)
+            if row >= self.capacity:
+                self._grow()
+            self._keys.append(key)
+        ns_id = self._ns_id(namespace)
+        self._maps[namespace][key] = row
+        for name in ("dram_nbytes", "nvme_nbytes", "dram_codec", "nvme_codec", "refs", "pin"):
+            self.col[name][row] = 0
+        self.col["dram_slot"][row] = NO_SLOT
+        self.col["flags"][row] = flags
+        self.col["ns"][row] = ns_id
+        self.touch([row])
+        return row
+
+    def remove(self, row: int) -> None:
+        """Forget a row entirely (no tier holds it any more)."""
+        namespace = self._namespaces[self.col["ns"][row]]
+        del self._maps[namespace][self._keys[row]]
+        self._keys[row] = None
+        self.col["flags"][row] = 0
+        self._free_rows.append(row)
+
+    def key_of(self, row: int) -> tuple[bytes, bytes]:
+        key = self._keys[row]
+        assert key is not None, f"row {row} is free"
+        return self._namespaces[self.col["ns"][row]], key
+
+    def row_of(self, namespace: bytes, key: bytes) -> int | None:
+        return self._maps.get(namespace, {}).get(key)
+
+    def touch(self, rows: Iterable[int]) -> None:
+        self._clock += 1
+        for row in rows:
+            self.col["last_use"][row] = self._clock
+
+    def live_rows(self) -> np.ndarray:
+        return np.flatnonzero(self.col["flags"][: len(self._keys)])
+
+    # ---- lookups ----------------------------------------------------------------------------
+    def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> list[int]:
+        """Rows of the longest prefix of ``keys`` whose blocks are stored and complete."""
+        table = self._maps.get(namespace)
+        if not table:
+            return []
+        flags = self.col["flags"]
+        rows = []
+        for key in keys:
+            row = table.get(key)
+            if row is None or flags[row] & PENDING or not flags[row] & (IN_DRAM | IN_NVME):
+                break
+            rows.append(row)
+        return rows
+
+    def tier_of(self, row: int) -> Tier | None:
+        flags = self.col["flags"][row]
+        if flags & IN_DRAM:
+            return Tier.DRAM
+        if flags & IN_NVME:
+            return Tier.NVME
+        return None
+
+    # ---- victims ----------------------------------------------------------------------------
+    def candidates(self, tier: Tier) -> np.ndarray:
+        """Rows that hold a complete copy in ``tier``, have no job in flight, and may leave it.
+
+        A DRAM copy may leave unless the block is pinned to DRAM; an NVMe copy may be dropped
+        unless the block is pinned at all (pinned blocks are never dropped).
+        """
+        n = len(self._keys)
+        flags, refs, pin = self.col["flags"][:n], self.col["refs"][:n], self.col["pin"][:n]
+        bit = IN_DRAM if tier == Tier.DRAM else IN_NVME
+        ok = ((flags & bit) != 0) & ((flags & PENDING) == 0) & (refs == 0)
+        if tier == Tier.DRAM:
+            ok &= pin != Tier.DRAM
+        else:
+            ok &= pin == 0
+        return np.flatnonzero(ok)
+
+    def bytes_in(self, tier: Tier) -> int:
+        n = len(self._keys)
+        if tier == Tier.DRAM:
+            held = (self.col["flags"][:n] & IN_DRAM) != 0
+            return int(self.col["dram_nbytes"][:n][held].sum())
+        held = (self.col["flags"][:n] & IN_NVME) != 0
+        return int(self.col["nvme_nbytes"][:n][held].sum())
+
+    def ref(self, rows: Iterable[int], delta: int) -> None:
+        refs = self.col["refs"]
+        for row in rows:
+            refs[row] += delta
+            assert refs[row] >= 0, f"row {row}: reference count below zero"

@@ -1,0 +1,347 @@
+"""The scheduler half: every tiering decision, as jobs for the mover. No IO, no torch.
+
+``TierManager`` owns the block index, the sessions, the DRAM slot allocator, the NVMe byte budget
+and one eviction policy per tier. It answers lookups, and turns stores, loads, watermark pressure
+and operator actions (pin, evict, snapshot, restore) into ``Job`` objects. The mover runs them and
+hands back ``JobResult`` objects to ``complete``, which is the only place where a block becomes
+visible, changes tier, or is forgotten. Blocks named by an unfinished job hold a reference and
+are never chosen as victims.
+
+Pressure: when DRAM slot use passes the high watermark, the policy's victims are demoted to NVMe
+(or their DRAM copy is simply released when NVMe already holds them) down to the low watermark;
+NVMe likewise drops its victims. A store that finds DRAM full of pinned or busy blocks stores what
+fits and skips the rest: normal pressure, not an error; vLLM recomputes what was not kept.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from kvtier.errors import NotFoundError, UsageError
+from kvtier.index import IN_DRAM, IN_NVME, PENDING, BlockIndex, Session, Tier, validate_session_id
+from kvtier.jobs import BlockMove, Job, JobKind, JobResult
+from kvtier.layout import ModelFingerprint
+from kvtier.manager_ops import SessionOps
+from kvtier.policy import make_policy
+from kvtier.tiers.dram import SlotAllocator
+from kvtier.tiers.nvme import file_bytes_for
+
+__all__ = ["TierManager", "nvme_file_bytes"]
+
+
+class TierManager(SessionOps):
+    def __init__(
+        self,
+        fingerprint: ModelFingerprint,
+        dram_bytes: int,
+        nvme_bytes: int = 0,
+        policy: str = "lru",
+        high_watermark: float = 0.90,
+        low_watermark: float = 0.75,
+        nvme_records: Iterable = (),
+    ):
+        self.fingerprint = fingerprint
+        self.geometry = fingerprint.geometry
+        self.slots = SlotAllocator(dram_bytes, self.geometry.block_bytes)
+        self.nvme_capacity = int(nvme_bytes)
+        self.high, self.low = high_watermark, low_watermark
+        self.index = BlockIndex()
+        self.sessions: dict[str, Session] = {}
+        per_block = file_bytes_for(self.geometry.block_bytes)
+        self.policies = {
+            Tier.DRAM: make_policy(policy, self.slots.num_slots),
+            Tier.NVME: make_policy(policy, max(1, self.nvme_capacity // per_block)),
+        }
+        self.jobs: dict[int, Job] = {}
+        self._job_ids = itertools.count(1)
+        self._nvme_used = 0  # bytes on NVMe plus bytes reserved by unfinished demotions
+        self.counters: Counter[str] = Counter()
+        self.warnings: dict[str, str] = {}
+        for record in nvme_records:
+            self._adopt_nvme_block(record.namespace, record.key, record.nbytes)
+
+    # ---- small helpers ------------------------------------------------------------------------
+    def _new_job(self, kind: JobKind, **fields) -> Job:
+        job = Job(job_id=next(self._job_ids), kind=kind, **fields)
+        self.jobs[job.job_id] = job
+        return job
+
+    def _move(self, row: int, **fields) -> BlockMove:
+        namespace, key = self.index.key_of(row)
+        return BlockMove(row=row, namespace=namespace, key=key, **fields)
+
+    def _adopt_nvme_block(self, namespace: bytes, key: bytes, nbytes: int) -> None:
+        row = self.index.add(namespace, key, IN_NVME)
+        self.index.col["nvme_nbytes"][row] = nbytes
+        self._nvme_used += file_bytes_for(nbytes)
+        self.policies[Tier.NVME].on_insert(row, (namespace, key))
+
+    def _forget_if_homeless(self, row: int) -> None:
+        if not self.index.col["flags"][row] & (IN_DRAM | IN_NVME | PENDING):
+            self.index.remove(row)
+
+    def _release_dram(self, row: int, evicted: bool) -> None:
+        col = self.index.col
+        self.slots.free(int(col["dram_slot"][row]))
+        col["dram_slot"][row] = -1
+        col["flags"][row] &= ~np.uint8(IN_DRAM)
+        self.policies[Tier.DRAM].on_remove(row, self.index.key_of(row), evicted)
+
+    def _release_nvme(self, row: int, evicted: bool) -> BlockMove:
+        col = self.index.col
+        move = self._move(row, nbytes=int(col["nvme_nbytes"][row]))
+        self._nvme_used -= file_bytes_for(int(col["nvme_nbytes"][row]))
+        col["flags"][row] &= ~np.uint8(IN_NVME)
+        self.policies[Tier.NVME].on_remove(row, self.index.key_of(row), evicted)
+        return move
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> list[int]:
+        """Rows of the longest stored prefix of ``keys`` (a hit refreshes their recency)."""
+        rows = self.index.lookup(namespace, keys)
+        if rows:
+            self.index.touch(rows)
+            for row in rows:
+                tier = self.index.tier_of(row)
+                self.policies[tier].on_access(row)
+        return rows
+
+    def record_session(self, session_id: str, namespace: bytes, keys: Sequence[bytes], num_tokens: int) -> Session:
+        """Note the latest prompt of a session (its blocks, in order)."""
+        validate_session_id(session_id)
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = self.sessions[session_id] = Session(session_id, namespace)
+        if len(keys) >= len(session.keys):
+            session.keys = list(keys)
+        session.num_tokens = max(num_tokens, len(session.keys) * self.geometry.block_tokens)
+        session.last_use = time.time()
+        return session
+
+    def session(self, session_id: str) -> Session:
+        validate_session_id(session_id)
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise NotFoundError(f"no session {session_id!r}", hint="`kvtier sessions` lists them") from None
+
+    def session_rows(self, session: Session) -> list[int]:
+        rows = (self.index.row_of(session.namespace, key) for key in session.keys)
+        return [r for r in rows if r is not None]
+
+    # ---- DRAM slots -----------------------------------------------------------------------
+    def _allocate_slot(self) -> int | None:
+        """A free DRAM slot, freeing one at once if that costs no data movement.
+
+        A victim whose block NVMe also holds just loses its DRAM copy. Without an NVMe tier the
+        victim is dropped (vLLM would recompute it). With one, nothing is dropped here: the caller
+        stores or loads fewer blocks and the watermark demotion makes room.
+        """
+        slot = self.slots.allocate()
+        if slot is None and self._free_one_dram_slot():
+            slot = self.slots.allocate()
+        return slot
+
+    def _free_one_dram_slot(self) -> bool:
+        victims = self.policies[Tier.DRAM].order(self.index, self.index.candidates(Tier.DRAM))
+        if not len(victims):
+            return False
+        flags = self.index.col["flags"]
+        on_nvme = [row for row in victims if flags[row] & IN_NVME]
+        if not on_nvme and self.nvme_capacity:
+            return False
+        row = int(on_nvme[0] if on_nvme else victims[0])
+        self._release_dram(row, evicted=True)
+        if not on_nvme:
+            self.counters["dram_dropped_blocks"] += 1
+        self._forget_if_homeless(row)
+        return True
+
+    # ---- stores -------------------------------------------------------------------------------
+    def prepare_store(self, session_id: str, namespace: bytes, keys: Sequence[bytes],
+                      device_blocks: Sequence[int]) -> Job | None:
+        """A STORE job for the blocks of ``keys`` not yet held (None when there is nothing to do)."""
+        moves = []
+        nbytes = self.geometry.block_bytes
+        for key, device_block in zip(keys, device_blocks):
+            row = self.index.row_of(namespace, key)
+            if row is not None:
+                self.index.touch([row])
+                continue
+            slot = self._allocate_slot()
+            if slot is None:
+                self.counters["store_deferred_blocks"] += 1
+                break
+            row = self.index.add(namespace, key, PENDING | IN_DRAM)
+            self.index.col["dram_slot"][row] = slot
+            moves.append(self._move(row, dram_slot=slot, nbytes=nbytes, device_block=device_block))
+        if not moves:
+            return None
+        return self._new_job(JobKind.STORE, moves=moves, session_id=session_id)
+
+    def _complete_store(self, job: Job, result: JobResult) -> None:
+        col = self.index.col
+        failed = self._failed_positions(job, result)
+        for i, move in enumerate(job.moves):
+            row = move.row
+            if i in failed:
+                self.slots.free(move.dram_slot)
+                col["flags"][row] = 0
+                self.index.remove(row)
+                continue
+            col["flags"][row] &= ~np.uint8(PENDING)
+            col["dram_nbytes"][row] = move.nbytes
+            col["dram_codec"][row] = self.index.codec_id(move.codec)
+            self.policies[Tier.DRAM].on_insert(row, (move.namespace, move.key))
+            self.counters["stored_blocks"] += 1
+
+    # ---- loads --------------------------------------------------------------------------------
+    def prepare_load(self, rows: Sequence[int], device_blocks: Sequence[int]) -> Job | None:
+        """A LOAD job for ``rows`` into HBM blocks.
+
+        NVMe-only blocks are promoted into free DRAM slots while there are some; the rest stream
+        from NVMe through the mover's own buffer without taking a slot.
+        """
+        col = self.index.col
+        moves = []
+        for row, device_block in zip(rows, device_blocks):
+            if col["flags"][row] & IN_DRAM:
+                move = self._move(row, dram_slot=int(col["dram_slot"][row]), nbytes=int(col["dram_nbytes"][row]),
+                                  device_block=device_block)
+            else:  # promote into a free DRAM slot if there is one, else stream through the mover
+                slot = self.slots.allocate()
+                move = self._move(row, dram_slot=-1 if slot is None else slot, device_block=device_block,
+                                  from_nvme=True, nbytes=int(col["nvme_nbytes"][row]))
+            self.index.ref([row], +1)
+            moves.append(move)
+        if not moves:
+            return None
+        self.index.touch(m.row for m in moves)
+        return self._new_job(JobKind.LOAD, moves=moves)
+
+    def _complete_staged(self, job: Job, result: JobResult, tier_hit: str) -> None:
+        """Shared by LOAD and PROMOTE: staged NVMe reads become DRAM copies (or are lost)."""
+        col = self.index.col
+        failed = self._failed_positions(job, result)
+        sizes = result.extra.get("nbytes", {})
+        for i, move in enumerate(job.moves):
+            row = move.row
+            self.index.ref([row], -1)
+            if not move.from_nvme:
+                self.counters[f"{tier_hit}_dram_blocks"] += i not in failed
+                continue
+            if i in failed:  # unreadable or corrupt on NVMe: the mover removed the file
+                if move.dram_slot >= 0:
+                    self.slots.free(move.dram_slot)
+                self._release_nvme(row, evicted=False)
+                self._forget_if_homeless(row)
+                self.counters["nvme_failed_reads"] += 1
+                continue
+            self.counters[f"{tier_hit}_nvme_blocks"] += 1
+            if move.dram_slot < 0:  # streamed, not promoted
+                continue
+            col["flags"][row] |= IN_DRAM
+            col["dram_slot"][row] = move.dram_slot
+            col["dram_nbytes"][row] = sizes.get(i, move.nbytes)
+            col["dram_codec"][row] = self.index.codec_id(move.codec)
+            self.policies[Tier.DRAM].on_insert(row, (move.namespace, move.key))
+
+    @staticmethod
+    def _failed_positions(job: Job, result: JobResult) -> set[int]:
+        if result.ok:
+            return set()
+        return set(result.failed) if result.failed else set(range(len(job.moves)))
+
+    # ---- pressure -----------------------------------------------------------------------------
+    def maintenance(self, force: bool = False) -> list[Job]:
+        """Jobs that bring DRAM back under its low watermark once past the high one (or ``force``).
+
+        NVMe room for the demoted blocks is made inside, by dropping NVMe victims past its own
+        high watermark.
+        """
+        if self.slots.used_slots <= self.high * self.slots.num_slots and not force:
+            return []
+        target = int(self.low * self.slots.num_slots)
+        order = self.policies[Tier.DRAM].order(self.index, self.index.candidates(Tier.DRAM))
+        need = self.slots.used_slots - target
+        return [job for job in [self._demote_rows(order[:need])] if job is not None]
+
+    def _demote_rows(self, rows: Iterable[int]) -> Job | None:
+        col = self.index.col
+        moves, drops = [], []
+        for row in map(int, rows):
+            if col["flags"][row] & IN_NVME:  # already on disk: releasing the DRAM copy is enough
+                self._release_dram(row, evicted=True)
+                continue
+            size = file_bytes_for(int(col["dram_nbytes"][row]))
+            if self.nvme_capacity and self._make_nvme_room(size, drops):
+                self._nvme_used += size
+                self.index.ref([row], +1)
+                moves.append(self._move(row, dram_slot=int(col["dram_slot"][row]), nbytes=int(col["dram_nbytes"][row]),
+                                        codec=self.index.codecs[col["dram_codec"][row]]))
+            else:  # nowhere colder to keep it: let it go, vLLM recomputes it if it comes back
+                self._release_dram(row, evicted=True)
+                self._forget_if_homeless(row)
+                self.counters["dram_dropped_blocks"] += 1
+        if not moves and not drops:
+            return None
+        return self._new_job(JobKind.DEMOTE, moves=moves, drops=drops)
+
+    def _make_nvme_room(self, size: int, drops: list[BlockMove]) -> bool:
+        """Drop NVMe victims (into ``drops``) so ``size`` more bytes fit under the high watermark."""
+        if self._nvme_used + size <= self.high * self.nvme_capacity:
+            return True
+        target = self.low * self.nvme_capacity - size
+        order = self.policies[Tier.NVME].order(self.index, self.index.candidates(Tier.NVME))
+        for row in map(int, order):
+            if self._nvme_used <= target:
+                break
+            drops.append(self._release_nvme(row, evicted=True))
+            self._forget_if_homeless(row)
+            self.counters["nvme_dropped_blocks"] += 1
+        return self._nvme_used + size <= self.nvme_capacity
+
+    def _complete_demote(self, job: Job, result: JobResult) -> None:
+        col = self.index.col
+        failed = self._failed_positions(job, result)
+        for i, move in enumerate(job.moves):
+            row = move.row
+            self.index.ref([row], -1)
+            size = file_bytes_for(move.nbytes)
+            if i in failed:
+                self._nvme_used -= size
+                self.counters["demote_failed_blocks"] += 1
+                continue
+            col["flags"][row] |= IN_NVME
+            col["nvme_nbytes"][row] = move.nbytes
+            col["nvme_codec"][row] = self.index.codec_id(move.codec)
+            self.policies[Tier.NVME].on_insert(row, (move.namespace, move.key))
+            if col["flags"][row] & IN_DRAM and col["pin"][row] != Tier.DRAM:
+                self._release_dram(row, evicted=True)
+            self.counters["demoted_blocks"] += 1
+        if result.error and "space" in result.error:
+            self.warnings["nvme"] = result.error
+        elif result.ok:
+            self.warnings.pop("nvme", None)
+
+    # ---- completion ---------------------------------------------------------------------------
+    def complete(self, result: JobResult) -> None:
+        """Apply a finished job; the only place block state changes after a job was emitted."""
+        job = self.jobs.pop(result.job_id, None)
+        if job is None:
+            raise UsageError(f"job {result.job_id} is not pending")
+        handler = {
+            JobKind.STORE: self._complete_store,
+            JobKind.LOAD: lambda j, r: self._complete_staged(j, r, "hit"),
+            JobKind.PROMOTE: lambda j, r: self._complete_staged(j, r, "promoted"),
+            JobKind.DEMOTE: self._complete_demote,
+            JobKind.DROP: lambda j, r: None,
+            JobKind.SNAPSHOT: self._complete_snapshot,
+            JobKind.RESTORE: self._complete_restore,
+        }[job.kind]
+        handler(job, result)
+        self.counters[f"jobs_{job.kind.value}_{'ok' if result.ok else 'failed'}"] += 1

@@ -1,0 +1,239 @@
+"""Operator actions on sessions (pin, unpin, evict, snapshot, restore) and the status views.
+
+A mixin of ``TierManager`` kept in its own module for size: it uses the manager's index, slots,
+policies and job helpers, and like the manager it only plans; the mover does the IO.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.errors import CapacityError, FingerprintMismatchError, UsageError
+from kvtier.index import IN_DRAM, IN_NVME, PENDING, Tier
+from kvtier.jobs import Job, JobKind, JobResult
+from kvtier.tiers.nvme import file_bytes_for
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.index import Session
+    from kvtier.manager import TierManager
+    from kvtier.snapshot import SnapshotInfo
+
+__all__ = ["SessionOps"]
+
+
+class SessionOps:
+    # ---- pins ---------------------------------------------------------------------------------
+    def pin(self: "TierManager", session_id: str, tier: Tier = Tier.DRAM) -> Job | None:
+        """Pin a session at ``tier``: never dropped, never below ``tier``. May return a PROMOTE job."""
+        if tier not in (Tier.DRAM, Tier.NVME):
+            raise UsageError(f"cannot pin to {tier.name.lower()}", hint="pin to dram or nvme")
+        session = self.session(session_id)
+        rows = self.session_rows(session)
+        flags = self.index.col["flags"]
+        to_promote = [r for r in rows if tier == Tier.DRAM and not flags[r] & IN_DRAM]
+        if to_promote:
+            spare = self.slots.free_slots + len(set(self.index.candidates(Tier.DRAM).tolist()) - set(rows))
+            if len(to_promote) > spare:
+                need = len(to_promote) * self.slots.slot_bytes
+                raise CapacityError(
+                    f"session {session_id} needs {need} more bytes of DRAM than can be freed",
+                    hint="raise --dram, unpin another session, or pin it to nvme",
+                )
+        session.pinned = tier
+        self._recompute_pins(rows)
+        return self._promote_rows(to_promote, session_id) if to_promote else None
+
+    def unpin(self: "TierManager", session_id: str) -> None:
+        session = self.session(session_id)
+        session.pinned = None
+        self._recompute_pins(self.session_rows(session))
+
+    def _recompute_pins(self: "TierManager", rows: list[int]) -> None:
+        """A block's pin is the hottest tier of any pinned session that contains it."""
+        pin = self.index.col["pin"]
+        pin[rows] = 0
+        wanted = set(rows)
+        for other in self.sessions.values():
+            if other.pinned is None:
+                continue
+            for row in wanted.intersection(self.session_rows(other)):
+                pin[row] = other.pinned if pin[row] == 0 else min(pin[row], other.pinned)
+
+    def _promote_rows(self: "TierManager", rows: list[int], session_id: str | None) -> Job | None:
+        col = self.index.col
+        moves = []
+        for row in rows:
+            self.index.ref([row], +1)
+            slot = self._allocate_slot()
+            if slot is None:
+                self.index.ref([row], -1)
+                break
+            moves.append(self._move(row, dram_slot=slot, from_nvme=True, nbytes=int(col["nvme_nbytes"][row])))
+        return self._new_job(JobKind.PROMOTE, moves=moves, session_id=session_id) if moves else None
+
+    # ---- evict --------------------------------------------------------------------------------
+    def evict(self: "TierManager", session_id: str, to: Tier | None) -> Job | None:
+        """Move a session's blocks down to NVMe (``to=Tier.NVME``) or drop them (``to=None``).
+
+        Blocks that another session shares or that a job is using stay where they are.
+        """
+        session = self.session(session_id)
+        if session.pinned is not None:
+            raise UsageError(f"session {session_id} is pinned", hint=f"`kvtier unpin {session_id}` first")
+        if to not in (Tier.NVME, None):
+            raise UsageError("evict moves a session to nvme or drops it", hint="use --to nvme or --to drop")
+        if to == Tier.NVME and not self.nvme_capacity:
+            raise UsageError("no NVMe tier is configured", hint="start kvtier serve with --nvme-dir and --nvme")
+        rows = self._evictable_rows(session)
+        session.hot = False
+        if to == Tier.NVME:
+            return self._demote_rows([r for r in rows if self.index.col["flags"][r] & IN_DRAM])
+        drops = []
+        for row in rows:
+            flags = self.index.col["flags"]
+            if flags[row] & IN_DRAM:
+                self._release_dram(row, evicted=False)
+            if flags[row] & IN_NVME:
+                drops.append(self._release_nvme(row, evicted=False))
+            self._forget_if_homeless(row)
+        del self.sessions[session_id]
+        return self._new_job(JobKind.DROP, drops=drops, session_id=session_id) if drops else None
+
+    def _evictable_rows(self: "TierManager", session: "Session") -> list[int]:
+        shared: set[bytes] = set()
+        for other in self.sessions.values():
+            if other is not session and other.namespace == session.namespace:
+                shared.update(other.keys)
+        col = self.index.col
+        return [r for r in self.session_rows(session)
+                if col["refs"][r] == 0 and col["pin"][r] == 0 and not col["flags"][r] & PENDING
+                and self.index.key_of(r)[1] not in shared]
+
+    # ---- snapshot / restore -------------------------------------------------------------------
+    def prepare_snapshot(self: "TierManager", session_id: str, path: str) -> Job:
+        """A SNAPSHOT job writing the session's stored prefix to ``path``."""
+        session = self.session(session_id)
+        rows = self.index.lookup(session.namespace, session.keys)
+        if not rows:
+            raise UsageError(f"session {session_id} has no stored blocks to snapshot",
+                             hint="run a turn of the session first, or restore it from a snapshot")
+        col = self.index.col
+        moves = []
+        for row in rows:
+            in_dram = bool(col["flags"][row] & IN_DRAM)
+            nbytes = int(col["dram_nbytes"][row] if in_dram else col["nvme_nbytes"][row])
+            codec_col = "dram_codec" if in_dram else "nvme_codec"
+            moves.append(self._move(row, dram_slot=int(col["dram_slot"][row]) if in_dram else -1, nbytes=nbytes,
+                                    from_nvme=not in_dram, codec=self.index.codecs[col[codec_col][row]]))
+        self.index.ref(rows, +1)
+        tokens = min(session.num_tokens, len(rows) * self.geometry.block_tokens)
+        header = {"session_id": session_id, "namespace": session.namespace, "num_tokens": tokens}
+        return self._new_job(JobKind.SNAPSHOT, moves=moves, session_id=session_id, path=str(path), header=header)
+
+    def _complete_snapshot(self: "TierManager", job: Job, result: JobResult) -> None:
+        self.index.ref([m.row for m in job.moves], -1)
+
+    def prepare_restore(self: "TierManager", info: "SnapshotInfo", tier: Tier = Tier.DRAM) -> Job | None:
+        """A RESTORE job bringing a snapshot's missing blocks into DRAM (overflow: NVMe) or NVMe."""
+        if info.fingerprint.digest != self.fingerprint.digest:
+            raise FingerprintMismatchError(
+                f"snapshot {info.path} was taken with model {info.fingerprint.model_id!r} "
+                f"({info.fingerprint.hex[:12]}), this engine serves {self.fingerprint.model_id!r} "
+                f"({self.fingerprint.hex[:12]})",
+                hint="restore it on a server running the same model, KV dtype and block size",
+                path=str(info.path),
+            )
+        moves, drops = [], []
+        for position, entry in enumerate(info.blocks):
+            if self.index.row_of(info.namespace, entry.key) is not None:
+                continue
+            slot = self._allocate_slot() if tier == Tier.DRAM else None
+            to_nvme = slot is None
+            if to_nvme:
+                size = file_bytes_for(entry.nbytes)
+                if not self.nvme_capacity or not self._make_nvme_room(size, drops):
+                    break
+                self._nvme_used += size
+            row = self.index.add(info.namespace, entry.key, PENDING | (IN_NVME if to_nvme else IN_DRAM))
+            self.index.col["dram_slot"][row] = -1 if to_nvme else slot
+            moves.append(self._move(row, dram_slot=-1 if to_nvme else slot, nbytes=entry.nbytes,
+                                    codec=info.codec, to_nvme=to_nvme, device_block=position))
+        self.record_session(info.session_id, info.namespace, [b.key for b in info.blocks], info.num_tokens)
+        if not moves and not drops:
+            return None
+        return self._new_job(JobKind.RESTORE, moves=moves, drops=drops, session_id=info.session_id,
+                             path=str(info.path))
+
+    def _complete_restore(self: "TierManager", job: Job, result: JobResult) -> None:
+        col = self.index.col
+        failed = self._failed_positions(job, result)
+        for i, move in enumerate(job.moves):
+            row = move.row
+            if i in failed:
+                if move.to_nvme:
+                    self._nvme_used -= file_bytes_for(move.nbytes)
+                else:
+                    self.slots.free(move.dram_slot)
+                col["flags"][row] = 0
+                self.index.remove(row)
+                continue
+            col["flags"][row] &= ~np.uint8(PENDING)
+            tier = Tier.NVME if move.to_nvme else Tier.DRAM
+            if move.to_nvme:
+                col["nvme_nbytes"][row] = move.nbytes
+                col["nvme_codec"][row] = self.index.codec_id(move.codec)
+            else:
+                col["dram_nbytes"][row] = move.nbytes
+                col["dram_codec"][row] = self.index.codec_id(move.codec)
+            self.policies[tier].on_insert(row, (move.namespace, move.key))
+            self.counters["restored_blocks"] += 1
+
+    # ---- views --------------------------------------------------------------------------------
+    def session_info(self: "TierManager", session_id: str) -> dict[str, Any]:
+        session = self.session(session_id)
+        rows = self.session_rows(session)
+        col = self.index.col
+        flags = col["flags"][rows] if rows else np.zeros(0, np.uint8)
+        complete = (flags & PENDING) == 0
+        in_dram = complete & ((flags & IN_DRAM) != 0)
+        in_nvme = complete & ((flags & IN_NVME) != 0)
+        idx = np.asarray(rows, dtype=np.int64)
+        return {
+            "session_id": session.session_id,
+            "state": self.session_state(session, int(in_dram.sum()), int(in_nvme.sum())),
+            "tokens": session.num_tokens,
+            "blocks": len(session.keys),
+            "blocks_dram": int(in_dram.sum()),
+            "blocks_nvme": int(in_nvme.sum()),
+            "bytes_dram": int(col["dram_nbytes"][idx][in_dram].sum()) if rows else 0,
+            "bytes_nvme": int(col["nvme_nbytes"][idx][in_nvme].sum()) if rows else 0,
+            "pinned": session.pinned.name.lower() if session.pinned is not None else None,
+            "last_use": session.last_use,
+            "idle_seconds": max(0.0, time.time() - session.last_use),
+        }
+
+    def session_state(self: "TierManager", session: "Session", in_dram: int, in_nvme: int) -> str:
+        if session.pinned is not None:
+            return "pinned"
+        if session.hot:
+            return "hot"
+        if in_dram and in_dram >= in_nvme:
+            return "warm"
+        if in_nvme:
+            return "cold"
+        return "gone"
+
+    def stats(self: "TierManager") -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint.to_dict(),
+            "dram": {"used_bytes": self.slots.used_bytes, "capacity_bytes": self.slots.capacity_bytes,
+                     "blocks": int(((self.index.col["flags"] & IN_DRAM) != 0).sum())},
+            "nvme": {"used_bytes": self._nvme_used, "capacity_bytes": self.nvme_capacity,
+                     "blocks": int(((self.index.col["flags"] & IN_NVME) != 0).sum())},
+            "sessions": len(self.sessions),
+            "jobs_in_flight": len(self.jobs),
+            "counters": dict(self.counters),
+            "warnings": dict(self.warnings),
+        }

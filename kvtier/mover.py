@@ -1,0 +1,283 @@
+"""The worker half: runs the manager's jobs and moves bytes. It decides nothing.
+
+Links: HBM (vLLM's per-layer KV tensors, through a layout adapter) <-> the DRAM arena <-> the NVMe
+store, plus snapshot files. Jobs run on a small thread pool (CPU copies, NVMe syscalls and
+checksums release the GIL); NVMe reads and writes within a job fan out over the store's own IO
+threads. With CUDA, device<->host copies go through pinned DRAM slots on a dedicated stream that
+first waits for the compute stream, so stores never read KV the forward pass is still writing.
+
+Every job ends in exactly one ``JobResult`` (``poll`` / ``wait``): a failure is reported with the
+positions that failed, never swallowed. Bytes moved are counted per link for telemetry.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from kvtier.errors import KvtierError
+from kvtier.jobs import BlockMove, Job, JobKind, JobResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from kvtier.layout import LayoutAdapter, ModelFingerprint
+    from kvtier.tiers.dram import DramArena
+    from kvtier.tiers.nvme import NvmeStore
+
+__all__ = ["Mover"]
+
+log = logging.getLogger(__name__)
+
+
+class Mover:
+    def __init__(
+        self,
+        fingerprint: "ModelFingerprint",
+        arena: "DramArena",
+        store: "NvmeStore | None" = None,
+        adapter: "LayoutAdapter | None" = None,
+        kv_layers: "Sequence[torch.Tensor] | None" = None,
+        threads: int = 2,
+    ):
+        import torch
+
+        self.fingerprint = fingerprint
+        self.arena = arena
+        self.store = store
+        self.adapter = adapter
+        self.kv_layers = list(kv_layers) if kv_layers is not None else None
+        self.link_bytes: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._results: queue.Queue[JobResult] = queue.Queue()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-mover")
+        device = self.kv_layers[0].device if self.kv_layers else torch.device("cpu")
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._handlers: dict[JobKind, Callable[[Job, JobResult], None]] = {
+            JobKind.STORE: self._store,
+            JobKind.LOAD: self._load,
+            JobKind.PROMOTE: self._promote,
+            JobKind.DEMOTE: self._demote,
+            JobKind.DROP: self._drop,
+            JobKind.SNAPSHOT: self._snapshot,
+            JobKind.RESTORE: self._restore,
+        }
+
+    # ---- running jobs -------------------------------------------------------------------------
+    def submit(self, job: Job) -> Future:
+        """Run ``job`` in the background; its result arrives through ``poll``."""
+        ready = self._record_compute_event()
+        return self._pool.submit(self._run_and_queue, job, ready)
+
+    def run(self, job: Job) -> JobResult:
+        """Run ``job`` now, in this thread; never raises for a failed job."""
+        return self._run(job, self._record_compute_event())
+
+    def poll(self) -> list[JobResult]:
+        out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _run_and_queue(self, job: Job, ready) -> JobResult:
+        result = self._run(job, ready)
+        self._results.put(result)
+        return result
+
+    def _run(self, job: Job, ready) -> JobResult:
+        result = JobResult(job_id=job.job_id, kind=job.kind, ok=True)
+        start = time.perf_counter()
+        try:
+            if self._stream is not None:
+                self._stream.wait_event(ready)
+            self._handlers[job.kind](job, result)
+        except Exception as exc:  # reported, never swallowed: the manager rolls the job back
+            log.warning("kvtier mover: %s job %d failed: %s", job.kind.value, job.job_id, exc)
+            result.ok = False
+            result.error = str(exc)
+            if not isinstance(exc, KvtierError):
+                log.debug("traceback", exc_info=True)
+        if result.failed:
+            result.ok = False
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def _record_compute_event(self):
+        if self._stream is None:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _count(self, link: str, nbytes: int, result: JobResult) -> None:
+        with self._lock:
+            self.link_bytes[link] += nbytes
+        result.bytes_moved += nbytes
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # ---- HBM <-> DRAM -------------------------------------------------------------------------
+    def _staging(self, n: int) -> "torch.Tensor":
+        import torch
+
+        dtype = getattr(torch, self.fingerprint.geometry.dtype)
+        return torch.empty((n, *self.fingerprint.geometry.block_shape), dtype=dtype, device=self.device)
+
+    def _store(self, job: Job, result: JobResult) -> None:
+        assert self.adapter is not None and self.kv_layers is not None, "mover has no KV tensors"
+        staging = self._staging(len(job.moves))
+        with self._on_stream():
+            self.adapter.gather(self.kv_layers, [m.device_block for m in job.moves], staging)
+            for i, move in enumerate(job.moves):
+                move.nbytes = self.arena.put(move.dram_slot, staging[i])
+                self._count("hbm->dram", move.nbytes, result)
+            self._sync()
+
+    def _load(self, job: Job, result: JobResult) -> None:
+        assert self.adapter is not None and self.kv_layers is not None, "mover has no KV tensors"
+        sources = self._read_from_nvme(job, result)
+        count = len(job.moves)
+        if result.failed:  # load only the prefix before the first bad block; vLLM recomputes the rest
+            count = min(result.failed)
+            result.failed = list(range(count, len(job.moves)))
+        if count == 0:
+            return
+        staging = self._staging(count)
+        with self._on_stream():
+            for i, move in enumerate(job.moves[:count]):
+                source = sources.get(i)
+                if source is None:
+                    source = self.arena.slot(move.dram_slot, move.nbytes)
+                staging[i].view(-1).view(source.dtype).copy_(source[: move.nbytes], non_blocking=True)
+                self._count("dram->hbm", move.nbytes, result)
+            self.adapter.scatter(staging, self.kv_layers, [m.device_block for m in job.moves[:count]])
+            self._sync()
+
+    # ---- DRAM <-> NVMe ------------------------------------------------------------------------
+    def _need_store(self) -> "NvmeStore":
+        if self.store is None:
+            raise KvtierError("no NVMe tier is configured")
+        return self.store
+
+    def _read_from_nvme(self, job: Job, result: JobResult) -> dict[int, "torch.Tensor"]:
+        """Read the job's NVMe blocks (into their DRAM slot, or a buffer of their own)."""
+        import torch
+
+        reads = [(i, m) for i, m in enumerate(job.moves) if m.from_nvme]
+        if not reads:
+            return {}
+        store = self._need_store()
+        targets = {i: self.arena.slot(m.dram_slot) if m.dram_slot >= 0
+                   else torch.empty(self.arena.slot_bytes, dtype=torch.uint8) for i, m in reads}
+        futures = {i: store.submit_read(m.namespace, m.key, targets[i], self.fingerprint.digest) for i, m in reads}
+        sizes = result.extra.setdefault("nbytes", {})
+        for i, future in futures.items():
+            try:
+                nbytes, codec = future.result()
+            except (KvtierError, OSError) as exc:
+                result.failed.append(i)
+                result.error = str(exc)
+                continue
+            job.moves[i].nbytes, job.moves[i].codec = nbytes, codec
+            sizes[i] = nbytes
+            self._count("nvme->dram", nbytes, result)
+        result.failed.sort()
+        return targets
+
+    def _promote(self, job: Job, result: JobResult) -> None:
+        self._read_from_nvme(job, result)
+
+    def _demote(self, job: Job, result: JobResult) -> None:
+        self._drop(job, result)
+        store = self._need_store()
+        futures = [store.submit_write(m.namespace, m.key, self.arena.slot(m.dram_slot, m.nbytes),
+                                      self.fingerprint.digest, m.codec) for m in job.moves]
+        self._collect_writes(futures, job.moves, result, "dram->nvme")
+        store.sync_dirs()
+
+    def _collect_writes(self, futures, moves: Sequence[BlockMove], result: JobResult, link: str) -> None:
+        for i, future in enumerate(futures):
+            try:
+                future.result()
+            except (KvtierError, OSError) as exc:
+                result.failed.append(i)
+                result.error = str(exc)
+                continue
+            self._count(link, moves[i].nbytes, result)
+
+    def _drop(self, job: Job, result: JobResult) -> None:
+        if job.drops:
+            store = self._need_store()
+            for move in job.drops:
+                store.delete(move.namespace, move.key)
+
+    # ---- snapshots ----------------------------------------------------------------------------
+    def _snapshot(self, job: Job, result: JobResult) -> None:
+        from kvtier.snapshot import write_snapshot
+
+        import torch
+
+        bounce = torch.empty(self.arena.slot_bytes, dtype=torch.uint8)
+
+        def payloads():
+            for move in job.moves:
+                if move.from_nvme:
+                    nbytes, _ = self._need_store().read_into(move.namespace, move.key, bounce, self.fingerprint.digest)
+                    yield bounce[:nbytes]
+                else:
+                    yield self.arena.slot(move.dram_slot, move.nbytes)
+                self._count("tier->snapshot", move.nbytes, result)
+
+        header = job.header or {}
+        sizes = [m.nbytes for m in job.moves]
+        info = write_snapshot(
+            job.path, self.fingerprint, header["session_id"], header["namespace"], codec=job.moves[0].codec,
+            num_tokens=header["num_tokens"], keys=[m.key for m in job.moves], payloads=payloads(),
+            block_nbytes=sizes,
+        )
+        result.extra["path"] = str(info.path)
+
+    def _restore(self, job: Job, result: JobResult) -> None:
+        import numpy as np
+
+        from kvtier.snapshot import read_blocks
+
+        wanted = {m.device_block: i for i, m in enumerate(job.moves)}  # snapshot position -> move
+        writes = []
+        for position, payload in read_blocks(job.path, expected_fingerprint=self.fingerprint):
+            i = wanted.get(position)
+            if i is None:
+                continue
+            move = job.moves[i]
+            if move.to_nvme:  # the reader reuses its buffer: hand the writer its own copy
+                writes.append((i, self._need_store().submit_write(
+                    move.namespace, move.key, bytearray(payload), self.fingerprint.digest, move.codec)))
+            else:
+                self.arena.slot(move.dram_slot, len(payload)).numpy()[:] = np.frombuffer(payload, np.uint8)
+                self._count("snapshot->dram", len(payload), result)
+        self._collect_writes([f for _, f in writes], [job.moves[i] for i, _ in writes], result, "snapshot->nvme")
+        result.failed = [writes[k][0] for k in result.failed]
+        if writes:
+            self._need_store().sync_dirs()
+
+    # ---- CUDA plumbing ------------------------------------------------------------------------
+    def _on_stream(self):
+        import contextlib
+
+        import torch
+
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()

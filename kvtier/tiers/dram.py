@@ -1,0 +1,141 @@
+"""Warm tier: one host-memory arena of a fixed byte budget, cut into fixed-size slots.
+
+Two halves, like the rest of kvtier:
+
+* ``SlotAllocator`` (scheduler side, no memory): the free list. It hands out slot numbers and can
+  never hand out more than ``capacity_bytes // slot_bytes`` of them, so the tier can never exceed
+  its budget.
+* ``DramArena`` (worker side): the single allocation behind the slots, page-aligned so direct IO
+  can read and write slots in place, and pinned when CUDA is present so host<->device copies run
+  asynchronously at full PCIe speed.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvtier.errors import CapacityError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["SlotAllocator", "DramArena", "PAGE", "round_up"]
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+
+
+def round_up(n: int, align: int = PAGE) -> int:
+    return (n + align - 1) // align * align
+
+
+class SlotAllocator:
+    """Free list of fixed-size slots inside a byte budget."""
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int):
+        if slot_bytes <= 0:
+            raise CapacityError(f"DRAM tier: slot size must be positive, got {slot_bytes}")
+        self.slot_bytes = round_up(slot_bytes)
+        self.num_slots = capacity_bytes // self.slot_bytes
+        if self.num_slots == 0:
+            raise CapacityError(
+                f"DRAM tier: a budget of {capacity_bytes} bytes holds no {self.slot_bytes}-byte block",
+                hint="raise --dram (it must hold at least one KV block)",
+            )
+        # A stack: the most recently freed slot is reused first (it is warm in the CPU caches).
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._used = bytearray(self.num_slots)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_slots * self.slot_bytes
+
+    def allocate(self) -> int | None:
+        """A free slot number, or None when the tier is full (normal pressure, not an error)."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._used[slot] = 1
+        return slot
+
+    def free(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots or not self._used[slot]:
+            raise ValueError(f"DRAM slot {slot} is not allocated")
+        self._used[slot] = 0
+        self._free.append(slot)
+
+
+class DramArena:
+    """The one host allocation behind the slots (pinned when CUDA is present)."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin: bool | None = None):
+        import torch
+
+        self.slot_bytes = round_up(slot_bytes)
+        self.num_slots = num_slots
+        if pin is None:
+            pin = torch.cuda.is_available()
+        size = num_slots * self.slot_bytes
+        raw = _allocate(size + PAGE, pin)
+        # Page-align the arena so O_DIRECT can read/write slots without a bounce buffer.
+        shift = (-raw.data_ptr()) % PAGE
+        self._raw = raw
+        self.buffer = raw[shift : shift + size]
+        self.pinned = bool(pin and raw.is_pinned())
+
+    @classmethod
+    def for_allocator(cls, allocator: SlotAllocator, pin: bool | None = None) -> "DramArena":
+        return cls(allocator.num_slots, allocator.slot_bytes, pin)
+
+    def slot(self, slot: int, nbytes: int | None = None) -> "torch.Tensor":
+        """The uint8 view of one slot (its first ``nbytes`` bytes if given)."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"DRAM slot {slot} out of range 0..{self.num_slots - 1}")
+        start = slot * self.slot_bytes
+        return self.buffer[start : start + (self.slot_bytes if nbytes is None else nbytes)]
+
+    def put(self, slot: int, src: "torch.Tensor") -> int:
+        """Copy ``src`` (any dtype, contiguous) into a slot; returns the bytes written."""
+        flat = _as_bytes(src)
+        if flat.numel() > self.slot_bytes:
+            raise CapacityError(f"DRAM tier: {flat.numel()} bytes do not fit a {self.slot_bytes}-byte slot")
+        self.slot(slot, flat.numel()).copy_(flat, non_blocking=True)
+        return flat.numel()
+
+    def get(self, slot: int, dst: "torch.Tensor") -> int:
+        """Copy a slot's first ``dst.nbytes`` bytes into ``dst``; returns the bytes read."""
+        flat = _as_bytes(dst)
+        flat.copy_(self.slot(slot, flat.numel()), non_blocking=True)
+        return flat.numel()
+
+
+def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
+    if not t.is_contiguous():
+        raise ValueError("DRAM tier: tensors must be contiguous")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _allocate(size: int, pin: bool) -> "torch.Tensor":
+    import torch
+
+    if pin:
+        try:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:  # memlock limits, no driver: fall back, say so once
+            log.warning("DRAM tier: pinned allocation of %d bytes failed (%s); using pageable memory", size, exc)
+    return torch.empty(size, dtype=torch.uint8)
