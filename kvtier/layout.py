@@ -3,9 +3,11 @@
 A kvtier *block* is one vLLM block (``block_tokens`` tokens) across all attention layers, stored in
 one canonical, backend-independent order::
 
-    [num_layers, 2 (K then V), block_tokens, num_kv_heads, head_dim]
+    [num_layers, num_kv_heads, 2 (K then V), block_tokens, head_dim]
 
 so a block written by the CPU backend loads into a CUDA backend and a snapshot is portable. The
+order is head-major because that is the CPU backend's own block layout (gather and scatter are
+then plain memcpy where the CPU is the bottleneck) while on a GPU the transpose is free. The
 adapters gather whole blocks from vLLM's tensors into that order and scatter them back; the
 canonical order also gives codecs their K and V views (``k_view`` / ``v_view``).
 
@@ -69,7 +71,11 @@ class KVGeometry:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise UsageError(f"KV geometry: {name} must be a positive integer, got {value!r}")
+                raise UsageError(
+                    f"KV geometry: {name} must be a positive integer, got {value!r}",
+                    hint="take num_layers, num_kv_heads and head_dim from the model config and "
+                    "block_tokens from vLLM's block size",
+                )
         if self.dtype not in DTYPE_ITEMSIZE:
             raise UsageError(
                 f"KV geometry: unsupported KV dtype {self.dtype!r}",
@@ -82,8 +88,8 @@ class KVGeometry:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Canonical shape of one block: ``[layers, 2, tokens, kv_heads, head_dim]``."""
-        return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, self.head_dim)
+        """Canonical shape of one block: ``[layers, kv_heads, 2, tokens, head_dim]``."""
+        return (self.num_layers, self.num_kv_heads, 2, self.block_tokens, self.head_dim)
 
     @property
     def bytes_per_token(self) -> int:
@@ -135,24 +141,29 @@ class ModelFingerprint:
 
 
 def k_view(block: "torch.Tensor") -> "torch.Tensor":
-    """K of a canonical block (or a batch of them): ``[..., layers, tokens, heads, head_dim]``."""
-    return block.select(-4, 0)
+    """K of a canonical block (or a batch of them): ``[..., layers, heads, tokens, head_dim]``."""
+    return block.select(-3, 0)
 
 
 def v_view(block: "torch.Tensor") -> "torch.Tensor":
-    """V of a canonical block (or a batch of them)."""
-    return block.select(-4, 1)
+    """V of a canonical block (or a batch of them): ``[..., layers, heads, tokens, head_dim]``."""
+    return block.select(-3, 1)
 
 
 class LayoutAdapter:
     """Moves whole blocks between vLLM's per-layer tensors and canonical block buffers.
 
     ``gather(kv_layers, block_ids, out)`` fills ``out[i]`` (canonical shape) with vLLM block
-    ``block_ids[i]``; ``scatter(src, kv_layers, block_ids)`` is its inverse. Subclasses only say how
-    one layer's blocks map to ``[n, 2, tokens, heads, head_dim]``.
+    ``block_ids[i]``; ``scatter(src, kv_layers, block_ids)`` is its inverse. A subclass says how a
+    run of blocks of one layer (a view, ``_blocks``) maps to and from ``[n, H, 2, B, D]``.
+
+    On CUDA one batched index_select / index_copy_ per layer is cheapest (a few kernels). On the
+    CPU, copying block by block from views avoids index_select's temporary and runs at memcpy
+    speed for the CPU backend, whose blocks are already canonical.
     """
 
     name = "abstract"
+    _block_dim = 0
 
     def __init__(self, geometry: KVGeometry):
         self.geometry = geometry
@@ -160,39 +171,47 @@ class LayoutAdapter:
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def _blocks_as_canonical(self, selected: "torch.Tensor") -> "torch.Tensor":
-        """View of ``selected`` (this layout's tensor indexed by block) as ``[n, 2, B, H, D]``."""
+    def _to_canonical(self, native: "torch.Tensor") -> "torch.Tensor":
+        """View of native blocks (block dim first, as ``_blocks`` returns them) as [n, H, 2, B, D]."""
         raise NotImplementedError
 
-    def _select(self, kv_layer: "torch.Tensor", index: "torch.Tensor") -> "torch.Tensor":
-        return kv_layer.index_select(0, index)
-
-    def _assign(self, kv_layer: "torch.Tensor", index: "torch.Tensor", native: "torch.Tensor") -> None:
-        kv_layer.index_copy_(0, index, native)
-
-    def _canonical_to_native(self, canonical: "torch.Tensor") -> "torch.Tensor":
+    def _to_native(self, canonical: "torch.Tensor") -> "torch.Tensor":
+        """View of canonical blocks in the native order of ``_blocks``."""
         raise NotImplementedError
+
+    def _blocks(self, kv_layer: "torch.Tensor", start: int, stop: int) -> "torch.Tensor":
+        """View of blocks ``start:stop`` of one layer, block dimension first."""
+        return kv_layer[start:stop]
 
     def _check(self, kv_layers: Sequence["torch.Tensor"]) -> None:
         if len(kv_layers) != self.geometry.num_layers:
             raise UsageError(
                 f"{self.name} layout: got {len(kv_layers)} KV layers, geometry says {self.geometry.num_layers}"
             )
-        want = self.layer_shape(kv_layers[0].shape[self._block_dim])
-        if tuple(kv_layers[0].shape) != want:
-            raise UsageError(f"{self.name} layout: KV tensor shape {tuple(kv_layers[0].shape)}, expected {want}")
-
-    _block_dim = 0
+        first = kv_layers[0]
+        want = self.layer_shape(first.shape[self._block_dim] if first.dim() > self._block_dim else 0)
+        for layer, kv in enumerate(kv_layers):  # every layer: a bad one must not slip through
+            if tuple(kv.shape) != want:
+                raise UsageError(
+                    f"{self.name} layout: KV tensor shape {tuple(kv.shape)} (layer {layer}), expected {want}"
+                )
 
     def gather(self, kv_layers: Sequence["torch.Tensor"], block_ids: Sequence[int], out: "torch.Tensor") -> None:
         """Copy vLLM blocks ``block_ids`` into ``out`` of shape ``[n, *geometry.block_shape]``."""
         import torch
 
         self._check(kv_layers)
-        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv_layers[0].device)
-        for layer, kv in enumerate(kv_layers):
-            selected = self._select(kv, index)
-            out[:, layer].copy_(self._blocks_as_canonical(selected), non_blocking=True)
+        if kv_layers[0].device.type != "cpu":
+            index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv_layers[0].device)
+            for layer, kv in enumerate(kv_layers):
+                selected = self._to_canonical(_index_select(kv, self._block_dim, index))
+                dst = out[:, layer]
+                dst.copy_(_same_bits_as(selected, dst), non_blocking=True)
+            return
+        for i, start, stop in _runs(block_ids):
+            for layer, kv in enumerate(kv_layers):
+                dst = out[i : i + stop - start, layer]
+                dst.copy_(_same_bits_as(self._to_canonical(self._blocks(kv, start, stop)), dst))
 
     def scatter(self, src: "torch.Tensor", kv_layers: Sequence["torch.Tensor"], block_ids: Sequence[int]) -> None:
         """Copy canonical blocks ``src[i]`` into vLLM block ``block_ids[i]`` of every layer."""
@@ -200,14 +219,24 @@ class LayoutAdapter:
 
         self._check(kv_layers)
         device = kv_layers[0].device
-        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
-        for layer, kv in enumerate(kv_layers):
-            native = self._canonical_to_native(src[:, layer].to(device, non_blocking=True))
-            self._assign(kv, index, native)
+        if device.type != "cpu":
+            index = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
+            for layer, kv in enumerate(kv_layers):
+                native = self._to_native(src[:, layer].to(device, non_blocking=True))
+                _index_copy(kv, self._block_dim, index, native)
+            return
+        for i, start, stop in _runs(block_ids):
+            for layer, kv in enumerate(kv_layers):
+                dst = self._blocks(kv, start, stop)
+                dst.copy_(_same_bits_as(self._to_native(src[i : i + stop - start, layer]), dst))
 
 
 class CpuLayout(LayoutAdapter):
-    """vLLM CPU backend: ``[num_blocks, H, B, 2*D]``, each head slab being K rows then V rows."""
+    """vLLM CPU backend: ``[num_blocks, H, B, 2*D]``, each head slab being K rows then V rows.
+
+    The slab ``[B, 2D]`` is read by the kernel as ``[2B, D]``, so a block is ``[H, 2, B, D]``:
+    exactly kvtier's canonical order, and gather/scatter are plain copies.
+    """
 
     name = "cpu"
 
@@ -215,20 +244,17 @@ class CpuLayout(LayoutAdapter):
         g = self.geometry
         return (num_blocks, g.num_kv_heads, g.block_tokens, 2 * g.head_dim)
 
-    def _blocks_as_canonical(self, selected: "torch.Tensor") -> "torch.Tensor":
+    def _to_canonical(self, native: "torch.Tensor") -> "torch.Tensor":
         g = self.geometry
-        n = selected.shape[0]
-        # [n, H, B, 2D] is laid out as [n, H, 2, B, D]; reorder to [n, 2, B, H, D].
-        return selected.view(n, g.num_kv_heads, 2, g.block_tokens, g.head_dim).permute(0, 2, 3, 1, 4)
+        return native.view(native.shape[0], g.num_kv_heads, 2, g.block_tokens, g.head_dim)
 
-    def _canonical_to_native(self, canonical: "torch.Tensor") -> "torch.Tensor":
+    def _to_native(self, canonical: "torch.Tensor") -> "torch.Tensor":
         g = self.geometry
-        n = canonical.shape[0]
-        return canonical.permute(0, 3, 1, 2, 4).reshape(n, g.num_kv_heads, g.block_tokens, 2 * g.head_dim)
+        return canonical.reshape(canonical.shape[0], g.num_kv_heads, g.block_tokens, 2 * g.head_dim)
 
 
 class BlockFirstLayout(LayoutAdapter):
-    """CUDA (FlashInfer-style): ``[num_blocks, 2, B, H, D]``: a block is already canonical."""
+    """CUDA (FlashInfer-style): ``[num_blocks, 2, B, H, D]``."""
 
     name = "block_first"
 
@@ -236,11 +262,11 @@ class BlockFirstLayout(LayoutAdapter):
         g = self.geometry
         return (num_blocks, 2, g.block_tokens, g.num_kv_heads, g.head_dim)
 
-    def _blocks_as_canonical(self, selected: "torch.Tensor") -> "torch.Tensor":
-        return selected
+    def _to_canonical(self, native: "torch.Tensor") -> "torch.Tensor":
+        return native.permute(0, 3, 1, 2, 4)  # [n, 2, B, H, D] -> [n, H, 2, B, D]
 
-    def _canonical_to_native(self, canonical: "torch.Tensor") -> "torch.Tensor":
-        return canonical
+    def _to_native(self, canonical: "torch.Tensor") -> "torch.Tensor":
+        return canonical.permute(0, 2, 3, 1, 4)  # [n, H, 2, B, D] -> [n, 2, B, H, D]
 
 
 class KVFirstLayout(LayoutAdapter):
@@ -253,17 +279,54 @@ class KVFirstLayout(LayoutAdapter):
         g = self.geometry
         return (2, num_blocks, g.block_tokens, g.num_kv_heads, g.head_dim)
 
-    def _select(self, kv_layer: "torch.Tensor", index: "torch.Tensor") -> "torch.Tensor":
-        return kv_layer.index_select(1, index)
+    def _blocks(self, kv_layer: "torch.Tensor", start: int, stop: int) -> "torch.Tensor":
+        return kv_layer[:, start:stop].transpose(0, 1)  # [n, 2, B, H, D] view
 
-    def _assign(self, kv_layer: "torch.Tensor", index: "torch.Tensor", native: "torch.Tensor") -> None:
-        kv_layer.index_copy_(1, index, native)
+    def _to_canonical(self, native: "torch.Tensor") -> "torch.Tensor":
+        return native.permute(0, 3, 1, 2, 4)
 
-    def _blocks_as_canonical(self, selected: "torch.Tensor") -> "torch.Tensor":
-        return selected.transpose(0, 1)  # [2, n, B, H, D] -> [n, 2, B, H, D]
+    def _to_native(self, canonical: "torch.Tensor") -> "torch.Tensor":
+        return canonical.permute(0, 2, 3, 1, 4)
 
-    def _canonical_to_native(self, canonical: "torch.Tensor") -> "torch.Tensor":
-        return canonical.transpose(0, 1)
+
+def _runs(block_ids: Sequence[int]):
+    """(position, start, stop) for each run of consecutive block ids."""
+    i = 0
+    ids = list(block_ids)
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and ids[j] == ids[j - 1] + 1:
+            j += 1
+        yield i, ids[i], ids[j - 1] + 1
+        i = j
+
+
+def _index_select(kv: "torch.Tensor", dim: int, index: "torch.Tensor") -> "torch.Tensor":
+    selected = kv.index_select(dim, index)
+    return selected.transpose(0, 1) if dim == 1 else selected
+
+
+def _index_copy(kv: "torch.Tensor", dim: int, index: "torch.Tensor", native: "torch.Tensor") -> None:
+    """index_copy_ through same-size integer views (not implemented for float8 on CPU)."""
+    if dim == 1:
+        native = native.transpose(0, 1)
+    _raw(kv).index_copy_(dim, index, _raw(native.contiguous()))
+
+
+def _same_bits_as(t: "torch.Tensor", like: "torch.Tensor") -> "torch.Tensor":
+    """``t`` reinterpreted as ``like``'s dtype when the element sizes match: KV is copied bit for bit
+    (vLLM allocates fp8 caches as uint8), never converted value by value."""
+    if t.dtype != like.dtype and t.element_size() == like.element_size():
+        return t.view(like.dtype)
+    return t
+
+
+def _raw(t: "torch.Tensor") -> "torch.Tensor":
+    """A same-size integer view of ``t``: index_copy_ is not implemented for float8 on CPU."""
+    import torch
+
+    raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(t.element_size())
+    return t if raw is None else t.view(raw)
 
 
 _ADAPTERS = {cls.name: cls for cls in (CpuLayout, KVFirstLayout, BlockFirstLayout)}
