@@ -192,28 +192,33 @@ class BlockIndex:
     def row_of(self, namespace: bytes, key: bytes) -> int | None:
         return self._maps.get(namespace, {}).get(key)
 
-    def touch(self, rows: Iterable[int]) -> None:
+    def touch(self, rows: Iterable[int] | np.ndarray) -> None:
         self._clock += 1
-        for row in rows:
-            self.col["last_use"][row] = self._clock
+        index = rows if isinstance(rows, np.ndarray) else np.fromiter(rows, dtype=np.int64)
+        self.col["last_use"][index] = self._clock
 
     def live_rows(self) -> np.ndarray:
         return np.flatnonzero(self.col["flags"][: len(self._keys)])
 
     # ---- lookups ----------------------------------------------------------------------------
-    def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> list[int]:
+    def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> np.ndarray:
         """Rows of the longest prefix of ``keys`` whose blocks are stored and complete."""
         table = self._maps.get(namespace)
         if not table:
-            return []
-        flags = self.col["flags"]
+            return np.zeros(0, np.int64)
         rows = []
+        get = table.get
         for key in keys:
-            row = table.get(key)
-            if row is None or flags[row] & PENDING or not flags[row] & (IN_DRAM | IN_NVME):
+            row = get(key)
+            if row is None:
                 break
             rows.append(row)
-        return rows
+        found = np.asarray(rows, dtype=np.int64)
+        flags = self.col["flags"][found]
+        usable = ((flags & PENDING) == 0) & ((flags & (IN_DRAM | IN_NVME)) != 0)
+        if not usable.all():
+            found = found[: int(np.argmin(usable))]
+        return found
 
     def tier_of(self, row: int) -> Tier | None:
         flags = self.col["flags"][row]

@@ -103,12 +103,12 @@ class TierManager(SessionOps):
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> list[int]:
         """Rows of the longest stored prefix of ``keys`` (a hit refreshes their recency)."""
         rows = self.index.lookup(namespace, keys)
-        if rows:
+        if len(rows):
             self.index.touch(rows)
-            for row in rows:
-                tier = self.index.tier_of(row)
-                self.policies[tier].on_access(row)
-        return rows
+            in_dram = (self.index.col["flags"][rows] & IN_DRAM) != 0
+            self.policies[Tier.DRAM].on_access(rows[in_dram])
+            self.policies[Tier.NVME].on_access(rows[~in_dram])
+        return rows.tolist()
 
     def record_session(self, session_id: str, namespace: bytes, keys: Sequence[bytes], num_tokens: int) -> Session:
         """Note the latest prompt of a session (its blocks, in order)."""
@@ -224,25 +224,30 @@ class TierManager(SessionOps):
         return self._new_job(JobKind.LOAD, moves=moves)
 
     def _complete_staged(self, job: Job, result: JobResult, tier_hit: str) -> None:
-        """Shared by LOAD and PROMOTE: staged NVMe reads become DRAM copies (or are lost)."""
+        """Shared by LOAD and PROMOTE: staged NVMe reads become DRAM copies, bad ones are dropped.
+
+        ``result.failed`` lists the blocks that did not reach their destination; of those,
+        ``extra["bad_reads"]`` could not be read back from NVMe (the store removed them).
+        """
         col = self.index.col
-        failed = self._failed_positions(job, result)
+        not_delivered = self._failed_positions(job, result)
+        bad_reads = set(result.extra.get("bad_reads", ()))
         sizes = result.extra.get("nbytes", {})
         for i, move in enumerate(job.moves):
             row = move.row
             self.index.ref([row], -1)
+            if i not in not_delivered:
+                self.counters[f"{tier_hit}_{'nvme' if move.from_nvme else 'dram'}_blocks"] += 1
             if not move.from_nvme:
-                self.counters[f"{tier_hit}_dram_blocks"] += i not in failed
                 continue
-            if i in failed:  # unreadable or corrupt on NVMe: the mover removed the file
+            if i in bad_reads or (i in not_delivered and not result.extra.get("nbytes")):
                 if move.dram_slot >= 0:
                     self.slots.free(move.dram_slot)
                 self._release_nvme(row, evicted=False)
                 self._forget_if_homeless(row)
                 self.counters["nvme_failed_reads"] += 1
                 continue
-            self.counters[f"{tier_hit}_nvme_blocks"] += 1
-            if move.dram_slot < 0:  # streamed, not promoted
+            if move.dram_slot < 0:  # streamed straight through, not promoted
                 continue
             col["flags"][row] |= IN_DRAM
             col["dram_slot"][row] = move.dram_slot

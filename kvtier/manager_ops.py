@@ -115,7 +115,7 @@ class SessionOps:
     def prepare_snapshot(self: "TierManager", session_id: str, path: str) -> Job:
         """A SNAPSHOT job writing the session's stored prefix to ``path``."""
         session = self.session(session_id)
-        rows = self.index.lookup(session.namespace, session.keys)
+        rows = self.index.lookup(session.namespace, session.keys).tolist()
         if not rows:
             raise UsageError(f"session {session_id} has no stored blocks to snapshot",
                              hint="run a turn of the session first, or restore it from a snapshot")

@@ -186,6 +186,7 @@ class Mover:
                 nbytes, codec = future.result()
             except (KvtierError, OSError) as exc:
                 result.failed.append(i)
+                result.extra.setdefault("bad_reads", []).append(i)
                 result.error = str(exc)
                 continue
             job.moves[i].nbytes, job.moves[i].codec = nbytes, codec

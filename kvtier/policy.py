@@ -35,8 +35,8 @@ class EvictionPolicy:
     def on_insert(self, row: int, key: tuple[bytes, bytes]) -> None:
         """A block entered the tier."""
 
-    def on_access(self, row: int) -> None:
-        """A block in the tier was hit by a lookup."""
+    def on_access(self, rows: np.ndarray) -> None:
+        """Blocks in the tier were hit by a lookup."""
 
     def on_remove(self, row: int, key: tuple[bytes, bytes], evicted: bool) -> None:
         """A block left the tier (``evicted``: chosen by this policy, not deleted by a user)."""
@@ -83,9 +83,10 @@ class ARCPolicy(EvictionPolicy):
         else:
             self._frequent[row] = False
 
-    def on_access(self, row: int) -> None:
-        self._ensure(row)
-        self._frequent[row] = True
+    def on_access(self, rows: np.ndarray) -> None:
+        if len(rows):
+            self._ensure(int(rows.max()))
+            self._frequent[rows] = True
 
     def on_remove(self, row: int, key: tuple[bytes, bytes], evicted: bool) -> None:
         self._ensure(row)

@@ -37,7 +37,7 @@ class SlotAllocator:
         if slot_bytes <= 0:
             raise CapacityError(f"DRAM tier: slot size must be positive, got {slot_bytes}")
         self.slot_bytes = round_up(slot_bytes)
-        self.num_slots = capacity_bytes // self.slot_bytes
+        self.num_slots = max(0, capacity_bytes // self.slot_bytes)
         if self.num_slots == 0:
             raise CapacityError(
                 f"DRAM tier: a budget of {capacity_bytes} bytes holds no {self.slot_bytes}-byte block",
@@ -104,6 +104,8 @@ class DramArena:
         """The uint8 view of one slot (its first ``nbytes`` bytes if given)."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"DRAM slot {slot} out of range 0..{self.num_slots - 1}")
+        if nbytes is not None and nbytes > self.slot_bytes:  # would reach into the next slot
+            raise CapacityError(f"DRAM tier: {nbytes} bytes do not fit a {self.slot_bytes}-byte slot")
         start = slot * self.slot_bytes
         return self.buffer[start : start + (self.slot_bytes if nbytes is None else nbytes)]
 

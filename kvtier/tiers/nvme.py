@@ -387,8 +387,8 @@ def _bytes_view(t) -> memoryview:
 
 def _is_aligned_tensor(t, padded: int) -> bool:
     """A torch tensor whose memory is page-aligned and has ``padded`` bytes behind its start."""
-    if not hasattr(t, "data_ptr") or t.data_ptr() % PAGE:
-        return False
+    if not hasattr(t, "data_ptr") or t.data_ptr() % PAGE or not t.is_contiguous():
+        return False  # a strided view's storage window is not its logical bytes
     storage = t.untyped_storage()
     return storage.data_ptr() + storage.nbytes() - t.data_ptr() >= padded
 

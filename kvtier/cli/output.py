@@ -1,0 +1,56 @@
+"""One way to print: tables for people, ``--json`` for scripts, errors as ``error:`` / ``hint:``.
+
+Every command runs under ``handle_errors`` so a ``KvtierError`` becomes two lines on stderr and
+its exit code (see ``kvtier.errors``), never a traceback.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any, Callable, Iterable, Sequence
+
+import typer
+
+from kvtier.errors import KvtierError, exit_code_for, render_error
+
+__all__ = ["handle_errors", "emit_json", "print_table", "human_bytes"]
+
+
+def handle_errors(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KvtierError as exc:
+            typer.echo(render_error(exc), err=True)
+            raise typer.Exit(exit_code_for(exc)) from None
+        except KeyboardInterrupt:
+            typer.echo("error: interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def emit_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    Console(file=sys.stdout).print(table)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -1,0 +1,44 @@
+"""Shared fixtures: a small KV geometry, CPU-layout 'HBM' tensors, and engines on real disks."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture
+def geometry():
+    from kvtier.layout import KVGeometry
+
+    return KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16, dtype="bfloat16")
+
+
+@pytest.fixture
+def fingerprint(geometry):
+    from kvtier.layout import ModelFingerprint
+
+    return ModelFingerprint("test-model", geometry)
+
+
+@pytest.fixture
+def hbm(geometry):
+    """vLLM-style per-layer KV tensors (CPU backend layout) with 64 blocks of random data."""
+    import torch
+
+    from kvtier.layout import CpuLayout
+
+    torch.manual_seed(0)
+    shape = CpuLayout(geometry).layer_shape(64)
+    return [torch.randn(shape).to(torch.bfloat16) for _ in range(geometry.num_layers)]
+
+
+def make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, nvme_blocks=64, policy="lru", **kwargs):
+    from kvtier.engine import TierEngine
+    from kvtier.tiers.nvme import file_bytes_for
+
+    block = fingerprint.geometry.block_bytes
+    nvme_bytes = nvme_blocks * file_bytes_for(block)
+    return TierEngine(fingerprint, dram_blocks * block, tmp_path / "nvme" if nvme_blocks else None, nvme_bytes,
+                      policy, kv_layers=hbm, **kwargs)

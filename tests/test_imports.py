@@ -1,0 +1,57 @@
+"""Layering: kvtier core never imports vLLM or Textual; `kvtier --help` never imports torch."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import kvtier
+
+CORE = Path(kvtier.__file__).parent
+FORBIDDEN_IN_CORE = {"vllm", "textual"}
+
+
+def imported_top_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_core_modules_never_import_vllm_or_textual():
+    core_files = [p for p in CORE.rglob("*.py") if not {"tui", "plugins"} & set(p.relative_to(CORE).parts)]
+    assert len(core_files) > 10
+    offenders = {str(p.relative_to(CORE)): imported_top_modules(p) & FORBIDDEN_IN_CORE for p in core_files}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sys.modules))"],
+                         capture_output=True, text=True, check=True)
+    return {line.split(".")[0] for line in out.stdout.splitlines()}
+
+
+def test_kvtier_help_imports_no_torch():
+    code = (
+        "import sys\n"
+        "from kvtier.cli.main import app\n"
+        "try:\n"
+        "    app(['--help'], prog_name='kvtier')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+    )
+    loaded = _modules_after(code)
+    assert "typer" in loaded  # the CLI really ran
+    assert not loaded & {"torch", "vllm", "textual", "numpy"}
+
+
+def test_scheduler_side_modules_import_no_torch():
+    loaded = _modules_after("import kvtier.manager, kvtier.index, kvtier.policy, kvtier.config, kvtier.errors, "
+                            "kvtier.snapshot, kvtier.tiers.nvme")
+    assert "kvtier" in loaded
+    assert not loaded & {"torch", "vllm", "textual"}
