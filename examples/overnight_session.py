@@ -1,7 +1,7 @@
 """The seed's overnight scenario on the tier engine alone (no vLLM, no GPU needed).
 
 An agent session's KV cache is written through to DRAM, demoted to NVMe, snapshotted to a file,
-and the engine is shut down ("overnight"). A fresh engine, as after a restart, restores the
+dropped from every tier, and the engine is shut down ("overnight"). A fresh engine, as after a restart, restores the
 snapshot and loads the session back into the (stand-in) GPU cache; the script checks that every
 byte came back and prints how long each step took.
 
@@ -64,6 +64,7 @@ def main() -> None:
     step("write-through HBM -> DRAM", lambda: day.store("agent-42", namespace, keys, list(range(blocks))))
     step("evict to NVMe (direct IO, checksummed)", lambda: day.evict("agent-42", Tier.NVME))
     step(f"snapshot -> {snapshot.name}", lambda: day.snapshot("agent-42", snapshot))
+    step("drop the session from every tier", lambda: day.evict("agent-42", None))
     day.close()
     for layer in hbm:
         layer.zero_()  # the GPU cache is gone overnight

@@ -133,9 +133,21 @@ class Mover:
         dtype = getattr(torch, self.fingerprint.geometry.dtype)
         return torch.empty((n, *self.fingerprint.geometry.block_shape), dtype=dtype, device=self.device)
 
+    def _as_block(self, raw: "torch.Tensor") -> "torch.Tensor":
+        """A uint8 buffer holding one block, viewed as ``[1, *block_shape]`` in the KV dtype."""
+        import torch
+
+        geometry = self.fingerprint.geometry
+        return raw[: geometry.block_bytes].view(getattr(torch, geometry.dtype)).view(1, *geometry.block_shape)
+
     def _store(self, job: Job, result: JobResult) -> None:
         assert self.adapter is not None and self.kv_layers is not None, "mover has no KV tensors"
-        staging = self._staging(len(job.moves))
+        if self._stream is None:  # CPU: gather each block straight into its DRAM slot
+            for move in job.moves:
+                self.adapter.gather(self.kv_layers, [move.device_block], self._as_block(self.arena.slot(move.dram_slot)))
+                self._count("hbm->dram", move.nbytes, result)
+            return
+        staging = self._staging(len(job.moves))  # CUDA: one gather on the device, then D2H per slot
         with self._on_stream():
             self.adapter.gather(self.kv_layers, [m.device_block for m in job.moves], staging)
             for i, move in enumerate(job.moves):
@@ -150,17 +162,21 @@ class Mover:
         if result.failed:  # load only the prefix before the first bad block; vLLM recomputes the rest
             count = min(result.failed)
             result.failed = list(range(count, len(job.moves)))
-        if count == 0:
+        moves = job.moves[:count]
+        raw = [sources.get(i, self.arena.slot(m.dram_slot) if m.dram_slot >= 0 else None) for i, m in enumerate(moves)]
+        if self._stream is None:  # CPU: scatter each block straight from its slot or read buffer
+            for move, source in zip(moves, raw):
+                self.adapter.scatter(self._as_block(source), self.kv_layers, [move.device_block])
+                self._count("dram->hbm", move.nbytes, result)
             return
-        staging = self._staging(count)
+        if not moves:
+            return
+        staging = self._staging(count)  # CUDA: H2D per block from pinned memory, one scatter
         with self._on_stream():
-            for i, move in enumerate(job.moves[:count]):
-                source = sources.get(i)
-                if source is None:
-                    source = self.arena.slot(move.dram_slot, move.nbytes)
+            for i, (move, source) in enumerate(zip(moves, raw)):
                 staging[i].view(-1).view(source.dtype).copy_(source[: move.nbytes], non_blocking=True)
                 self._count("dram->hbm", move.nbytes, result)
-            self.adapter.scatter(staging, self.kv_layers, [m.device_block for m in job.moves[:count]])
+            self.adapter.scatter(staging, self.kv_layers, [m.device_block for m in moves])
             self._sync()
 
     # ---- DRAM <-> NVMe ------------------------------------------------------------------------
