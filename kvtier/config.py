@@ -72,7 +72,7 @@ class Settings:
     policy: str = "lru"
     high_watermark: float = 0.90
     low_watermark: float = 0.75
-    io_threads: int = 4
+    io_threads: int = 8  # NVMe queue depth: parallel IOs are what an SSD needs
     direct_io: str = "auto"
     warm_codec: str = "none"
     cold_codec: str = "none"

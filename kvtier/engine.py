@@ -35,7 +35,7 @@ class TierEngine:
         policy: str = "lru",
         kv_layers: "Sequence[torch.Tensor] | None" = None,
         layout: str = "cpu",
-        io_threads: int = 4,
+        io_threads: int = 8,
         direct_io: str = "auto",
         high_watermark: float = 0.90,
         low_watermark: float = 0.75,

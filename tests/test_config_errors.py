@@ -53,7 +53,7 @@ def test_defaults_when_nothing_is_set(isolated: dict[str, str], tmp_path: Path) 
     assert settings.nvme_bytes == 64 * GiB
     assert settings.policy == "lru"
     assert (settings.high_watermark, settings.low_watermark) == (0.90, 0.75)
-    assert settings.io_threads == 4 and settings.direct_io == "auto"
+    assert settings.io_threads == 8 and settings.direct_io == "auto"
     assert settings.warm_codec == settings.cold_codec == "none"
     assert settings.nvme_dir == str(tmp_path / "cache" / "kvtier" / "nvme")
     assert settings.snapshot_dir == str(tmp_path / "cache" / "kvtier" / "snapshots")

@@ -563,3 +563,15 @@ def test_submit_write_and_read_in_parallel(tmp_path, direct):
         assert {r.key: r.nbytes for r in again.scan()} == {k: len(v) for k, v in jobs.items()}
     finally:
         again.close()
+
+
+def test_direct_read_never_spills_into_neighbouring_bytes(store):
+    # A destination that starts page-aligned but is shorter than the padded payload sits inside a
+    # bigger arena: the page padding of an O_DIRECT read must not overwrite the bytes after it.
+    arena = DramArena(2, 2 * PAGE)
+    arena.buffer.fill_(0xAB)
+    store.write(NS, b"odd", bytearray(payload_for(b"odd", 5000)), FP)
+    dst = arena.slot(0, 5000)
+    nbytes, _ = store.read_into(NS, b"odd", dst, FP)
+    assert nbytes == 5000 and bytes(dst.numpy()) == payload_for(b"odd", 5000)
+    assert bool((arena.buffer[5000:] == 0xAB).all())

@@ -106,7 +106,7 @@ class _ThreadBuffers(threading.local):
 class NvmeStore:
     """Block files under ``root`` within ``capacity_bytes``; see the module docstring."""
 
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int, io_threads: int = 4, direct: str = "auto"):
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int, io_threads: int = 8, direct: str = "auto"):
         self.root = Path(root)
         self.capacity_bytes = int(capacity_bytes)
         self._blocks_dir = self.root / "blocks"
@@ -304,7 +304,9 @@ class NvmeStore:
             body_len = size - HEADER_BYTES
             if body_len > round_up(dst.numel() * dst.element_size()):
                 raise CorruptBlockError(f"NVMe tier: {path} is larger than a block", path=str(path))
-            direct_dst = self.direct and _is_aligned_tensor(dst, body_len)
+            # Read in place only into a destination that owns the padded length itself, so the
+            # padding never spills into a neighbour's bytes; otherwise bounce.
+            direct_dst = self.direct and _is_aligned_tensor(dst, body_len) and dst.nbytes >= body_len
             body = _tensor_window(dst, body_len) if direct_dst else self._buffers.bounce_of(body_len)
             got = os.preadv(fd, [self._buffers.header, memoryview(body)[:body_len]], 0)
         finally:
