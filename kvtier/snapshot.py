@@ -60,7 +60,8 @@ PREAMBLE_BYTES = 64
 _PREAMBLE = struct.Struct("<8sHHQQQQ")  # magic version flags header_len header_xxh3 payload_offset file_len
 MAX_HEADER_BYTES = 64 << 20
 MAX_BLOCKS = 10_000_000
-IO_CHUNK = 32 << 20  # bytes per write/read syscall; two such buffers per writer or reader
+IO_CHUNK = 32 << 20  # bytes per write/read syscall; two such buffers per writer, three per reader
+READ_AHEAD = 2  # reads in flight while one chunk is verified
 _PIECE = 512 << 10  # copy+hash granularity on write (stays in the CPU cache)
 _U64 = 1 << 64
 _WIDEST_XXH3 = 10**20 - 1
@@ -543,28 +544,33 @@ def _read_chunk(fd: int, view: memoryview, offset: int) -> memoryview:
 
 
 def _stream(info: SnapshotInfo, into: Callable[[int], Any] | None) -> Iterator[tuple[int, memoryview]]:
-    """Verify and yield blocks while an IO thread reads the next chunk into the other buffer."""
+    """Verify and yield blocks while IO threads read the next chunks into the other buffers.
+
+    ``READ_AHEAD`` reads stay in flight (an SSD needs queue depth, a single QD1 stream leaves
+    bandwidth unused); one more buffer holds the chunk being verified and handed out.
+    """
     chunks = _plan(info.blocks)
     fd, _size = _open_file(info.path, direct=True)
-    buffers = [_take_buffer(max([end - start for start, end, _ in chunks] + [IO_CHUNK])) for _ in range(2)]
+    size = max([end - start for start, end, _ in chunks] + [IO_CHUNK])
+    buffers = [_take_buffer(size) for _ in range(READ_AHEAD + 1)]
     bufs = [memoryview(buf) for buf in buffers]
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-snapshot-read")
+    pool = ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="kvtier-snapshot-read")
 
     def submit(k: int) -> Future | None:
         if k >= len(chunks):
             return None
         start, end, _ = chunks[k]
-        return pool.submit(_read_chunk, fd, bufs[k % 2][: end - start], start)
+        return pool.submit(_read_chunk, fd, bufs[k % len(bufs)][: end - start], start)
 
-    pending = submit(0)
+    pending = [submit(k) for k in range(READ_AHEAD)]
     try:
         for k, (start, _end, indices) in enumerate(chunks):
             try:
-                data = pending.result()
+                data = pending.pop(0).result()
             except (OSError, EOFError) as exc:
                 fault = getattr(exc, "strerror", None) or exc
                 raise _fail(info.path, f"read failed: {fault}", _TRUNCATED) from None
-            pending = submit(k + 1)
+            pending.append(submit(k + READ_AHEAD))
             for index in indices:
                 block = info.blocks[index]
                 view = data[block.offset - start : block.offset - start + block.nbytes]
