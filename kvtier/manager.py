@@ -30,7 +30,7 @@ from kvtier.policy import make_policy
 from kvtier.tiers.dram import SlotAllocator
 from kvtier.tiers.nvme import file_bytes_for
 
-__all__ = ["TierManager", "nvme_file_bytes"]
+__all__ = ["TierManager"]
 
 
 class TierManager(SessionOps):

@@ -248,7 +248,9 @@ def test_config_error_is_a_usage_error() -> None:
 
 
 def test_settings_are_frozen() -> None:
-    with pytest.raises(Exception):
+    from dataclasses import FrozenInstanceError
+
+    with pytest.raises(FrozenInstanceError):
         Settings().policy = "arc"  # type: ignore[misc]
 
 

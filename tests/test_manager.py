@@ -272,3 +272,24 @@ def test_bad_session_ids_are_refused(fingerprint, hbm, tmp_path):
 def test_geometry_mismatch_is_refused(tmp_path):
     with pytest.raises(UsageError):
         KVGeometry(num_layers=0, num_kv_heads=1, head_dim=1, block_tokens=1)
+
+
+def test_index_memory_accounting_matches_tracemalloc():
+    import gc
+    import hashlib
+    import tracemalloc
+
+    from kvtier.index import BlockIndex
+
+    n = 20_000
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = BlockIndex()
+    for i in range(n):
+        index.add(b"n" * 16, hashlib.sha256(i.to_bytes(8, "little")).digest(), IN_DRAM)
+    gc.collect()
+    traced = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert abs(index.memory_bytes() - traced) / traced < 0.15
+    assert index.memory_bytes() / n < 256
