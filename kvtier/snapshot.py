@@ -60,8 +60,8 @@ PREAMBLE_BYTES = 64
 _PREAMBLE = struct.Struct("<8sHHQQQQ")  # magic version flags header_len header_xxh3 payload_offset file_len
 MAX_HEADER_BYTES = 64 << 20
 MAX_BLOCKS = 10_000_000
-IO_CHUNK = 32 << 20  # bytes per write/read syscall; two such buffers per writer, three per reader
-READ_AHEAD = 2  # reads in flight while one chunk is verified
+IO_CHUNK = 32 << 20  # bytes per write/read syscall
+IO_DEPTH = 4  # IOs in flight per writer or reader (+1 buffer being filled or verified): SSDs need depth
 _PIECE = 512 << 10  # copy+hash granularity on write (stays in the CPU cache)
 _U64 = 1 << 64
 _WIDEST_XXH3 = 10**20 - 1
@@ -166,7 +166,7 @@ def _take_buffer(nbytes: int) -> mmap.mmap:
 def _give_buffers(bufs: Iterable[mmap.mmap]) -> None:
     with _IDLE_LOCK:
         for buf in bufs:
-            if len(_IDLE_BUFFERS) < 4 and len(buf) == IO_CHUNK:
+            if len(_IDLE_BUFFERS) < IO_DEPTH + 1 and len(buf) == IO_CHUNK:
                 _IDLE_BUFFERS.append(buf)
 
 
@@ -215,7 +215,7 @@ class SnapshotWriter:
         if self._header_len > MAX_HEADER_BYTES:
             raise _fail(path, f"header would be {self._header_len} bytes (max {MAX_HEADER_BYTES})")
         self._digests: list[int] = []
-        self._pending: Future | None = None
+        self._pending: list[Future] = []
         self._closed = False
         self._open()
 
@@ -245,10 +245,10 @@ class SnapshotWriter:
         except OSError as exc:
             raise _fail(self.path, f"cannot create a file in {directory}: {exc.strerror}",
                         "check that the directory exists and is writable") from None
-        self._bufs = [_take_buffer(IO_CHUNK) for _ in range(2)]
+        self._bufs = [_take_buffer(IO_CHUNK) for _ in range(IO_DEPTH + 1)]
         self._views = [memoryview(buf)[:IO_CHUNK] for buf in self._bufs]
         self._cur, self._fill, self._stage_start = 0, 0, 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-snapshot")
+        self._pool = ThreadPoolExecutor(max_workers=IO_DEPTH, thread_name_prefix="kvtier-snapshot")
         self._put(None, self._payload_offset)  # header area: zeros until commit
 
     def __enter__(self) -> "SnapshotWriter":
@@ -277,15 +277,17 @@ class SnapshotWriter:
 
     def _flush(self) -> None:
         if self._fill:
-            self._wait()  # the other buffer's write; this one is then written while we fill that
+            if len(self._pending) >= IO_DEPTH:  # the next buffer's earlier write must be done
+                self._pending.pop(0).result()
             view = self._views[self._cur][: self._fill]
-            self._pending = self._pool.submit(_pwrite_all, self._fd, view, self._stage_start)
-            self._stage_start, self._fill, self._cur = self._stage_start + self._fill, 0, self._cur ^ 1
+            self._pending.append(self._pool.submit(_pwrite_all, self._fd, view, self._stage_start))
+            self._stage_start, self._fill = self._stage_start + self._fill, 0
+            self._cur = (self._cur + 1) % len(self._views)
 
     def _wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
 
     def _guarded(self, action: Callable[[], Any]) -> Any:
         if self._closed:
@@ -546,15 +548,15 @@ def _read_chunk(fd: int, view: memoryview, offset: int) -> memoryview:
 def _stream(info: SnapshotInfo, into: Callable[[int], Any] | None) -> Iterator[tuple[int, memoryview]]:
     """Verify and yield blocks while IO threads read the next chunks into the other buffers.
 
-    ``READ_AHEAD`` reads stay in flight (an SSD needs queue depth, a single QD1 stream leaves
+    ``IO_DEPTH`` reads stay in flight (an SSD needs queue depth, a single QD1 stream leaves
     bandwidth unused); one more buffer holds the chunk being verified and handed out.
     """
     chunks = _plan(info.blocks)
     fd, _size = _open_file(info.path, direct=True)
     size = max([end - start for start, end, _ in chunks] + [IO_CHUNK])
-    buffers = [_take_buffer(size) for _ in range(READ_AHEAD + 1)]
+    buffers = [_take_buffer(size) for _ in range(IO_DEPTH + 1)]
     bufs = [memoryview(buf) for buf in buffers]
-    pool = ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="kvtier-snapshot-read")
+    pool = ThreadPoolExecutor(max_workers=IO_DEPTH, thread_name_prefix="kvtier-snapshot-read")
 
     def submit(k: int) -> Future | None:
         if k >= len(chunks):
@@ -562,7 +564,7 @@ def _stream(info: SnapshotInfo, into: Callable[[int], Any] | None) -> Iterator[t
         start, end, _ = chunks[k]
         return pool.submit(_read_chunk, fd, bufs[k % len(bufs)][: end - start], start)
 
-    pending = [submit(k) for k in range(READ_AHEAD)]
+    pending = [submit(k) for k in range(IO_DEPTH)]
     try:
         for k, (start, _end, indices) in enumerate(chunks):
             try:
@@ -570,7 +572,7 @@ def _stream(info: SnapshotInfo, into: Callable[[int], Any] | None) -> Iterator[t
             except (OSError, EOFError) as exc:
                 fault = getattr(exc, "strerror", None) or exc
                 raise _fail(info.path, f"read failed: {fault}", _TRUNCATED) from None
-            pending.append(submit(k + READ_AHEAD))
+            pending.append(submit(k + IO_DEPTH))
             for index in indices:
                 block = info.blocks[index]
                 view = data[block.offset - start : block.offset - start + block.nbytes]
