@@ -40,6 +40,7 @@ __all__ = [
     "CpuLayout",
     "KVFirstLayout",
     "BlockFirstLayout",
+    "HeadSplitLayout",
     "adapter_for",
     "k_view",
     "v_view",
@@ -289,6 +290,26 @@ class KVFirstLayout(LayoutAdapter):
         return canonical.permute(0, 2, 3, 1, 4)
 
 
+class HeadSplitLayout(LayoutAdapter):
+    """vLLM 0.32 CUDA backends: a logical ``[num_blocks, H, B, 2*D]`` view (physically strided,
+    e.g. LBNHC) whose last dimension holds each token's K then V (``split(head_dim, -1)``)."""
+
+    name = "head_split"
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        g = self.geometry
+        return (num_blocks, g.num_kv_heads, g.block_tokens, 2 * g.head_dim)
+
+    def _to_canonical(self, native: "torch.Tensor") -> "torch.Tensor":
+        # [n, H, B, 2D] -> [n, H, B, 2, D] -> [n, H, 2, B, D] (a view; the copy does the transpose)
+        return native.unflatten(-1, (2, self.geometry.head_dim)).permute(0, 1, 3, 2, 4)
+
+    def _to_native(self, canonical: "torch.Tensor") -> "torch.Tensor":
+        g = self.geometry
+        n = canonical.shape[0]
+        return canonical.permute(0, 1, 3, 2, 4).reshape(n, g.num_kv_heads, g.block_tokens, 2 * g.head_dim)
+
+
 def _runs(block_ids: Sequence[int]):
     """(position, start, stop) for each run of consecutive block ids."""
     i = 0
@@ -329,7 +350,7 @@ def _raw(t: "torch.Tensor") -> "torch.Tensor":
     return t if raw is None else t.view(raw)
 
 
-_ADAPTERS = {cls.name: cls for cls in (CpuLayout, KVFirstLayout, BlockFirstLayout)}
+_ADAPTERS = {cls.name: cls for cls in (CpuLayout, KVFirstLayout, BlockFirstLayout, HeadSplitLayout)}
 
 
 def adapter_for(name: str, geometry: KVGeometry) -> LayoutAdapter:

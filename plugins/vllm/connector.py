@@ -1,0 +1,117 @@
+"""``KVTierConnector``: kvtier inside vLLM, as a KV connector (vLLM 0.32, KVConnectorBase_V1).
+
+A thin facade: vLLM builds it twice, with role SCHEDULER (engine-core process) and role WORKER
+(each worker process); the first delegates to ``KVTierScheduler`` (decides), the second to
+``KVTierWorker`` (moves bytes). Per step the scheduler half's jobs travel in ``KVTierMetadata``;
+the worker's results come back in ``KVTierWorkerMetadata``.
+
+Use it from any vLLM: ``--kv-transfer-config '{"kv_connector":"KVTierConnector","kv_role":
+"kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"dram_bytes":...,
+"nvme_dir":...,"nvme_bytes":...}}'`` (kvtier registers the name through vLLM's plugin entry point).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvtier.jobs import Job, JobResult
+from kvtier.plugins.vllm.geometry import fingerprint_from_vllm
+
+__all__ = ["KVTierConnector", "KVTierMetadata", "KVTierWorkerMetadata"]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    jobs: list[Job] = field(default_factory=list)
+    missing_blocks: list[int] = field(default_factory=list)  # promised but unloadable: load errors
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    results: list[JobResult] = field(default_factory=list)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVTierWorkerMetadata":
+        assert isinstance(other, KVTierWorkerMetadata)
+        return KVTierWorkerMetadata(self.results + other.results)
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        fingerprint = fingerprint_from_vllm(vllm_config, extra)
+        self._scheduler = self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvtier.plugins.vllm.scheduler import KVTierScheduler
+
+            self._scheduler = KVTierScheduler(vllm_config, fingerprint, extra)
+        else:
+            from kvtier.plugins.vllm.worker import KVTierWorker
+
+            self._worker = KVTierWorker(fingerprint, extra)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped store is a later miss, never an error
+
+    @property
+    def manager(self):
+        """The scheduler half's TierManager (for the admin API and tests)."""
+        return self._scheduler.manager if self._scheduler is not None else None
+
+    # ---- scheduler side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        jobs, missing = self._scheduler.build_jobs(scheduler_output)
+        return KVTierMetadata(jobs=jobs, missing_blocks=missing)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVTierWorkerMetadata):
+            self._scheduler.complete(meta.results)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return False, self._scheduler.request_finished(request)
+
+    # ---- worker side --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self._worker.start_load_kv(meta.jobs, meta.missing_blocks)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are saved in wait_for_save, once every layer is written
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self._worker.wait_for_save(meta.jobs)
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        results = self._worker.take_results()
+        return KVTierWorkerMetadata(results) if results else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

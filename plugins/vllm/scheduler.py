@@ -1,0 +1,194 @@
+"""The connector's scheduler half: lookups, load and store planning, sessions, maintenance.
+
+Runs in vLLM's engine-core process beside the scheduler. It owns the ``TierManager`` (index,
+sessions, DRAM slot allocator, NVMe budget, policies) and turns vLLM's per-step view into kvtier
+jobs, shipped to the worker half in the step's connector metadata. Results come back through the
+worker metadata (``update_connector_output``), the only way block state changes.
+
+Rules that follow from how vLLM's scheduler calls a connector (see docs/architecture.md):
+* ``get_num_new_matched_tokens`` may be called several times per request and its answer may be
+  discarded: it has no side effects. Loads are planned in ``update_state_after_alloc``.
+* The last prompt token is never claimed (vLLM must compute at least one token).
+* A block is stored once its KV has been computed: at the step where the request's computed tokens
+  (before the step + scheduled in it) cover the whole block. Chunked prefill and decode follow.
+* Preemption frees a request's HBM blocks; its next admission is a fresh lookup with a new block
+  table, and stores resume from what kvtier already holds.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.decide import LoadCandidate, blocks_to_load
+from kvtier.index import IN_DRAM, namespace_of, validate_session_id
+from kvtier.jobs import Job, JobKind
+from kvtier.layout import ModelFingerprint
+from kvtier.manager import TierManager
+from kvtier.tiers.nvme import NvmeStore
+
+__all__ = ["KVTierScheduler", "RequestState", "session_of"]
+
+log = logging.getLogger("kvtier.connector")
+
+
+def session_of(request: Any) -> str:
+    """The request's session: ``session_id`` (body, X-Session-ID header) or one derived from its prefix."""
+    session_id = getattr(request, "session_id", None)
+    if session_id:
+        try:
+            return validate_session_id(str(session_id))
+        except Exception:  # an odd id must not fail the request: fall back to an anonymous one
+            log.warning("kvtier: ignoring invalid session id %r", session_id)
+    hashes = request.block_hashes
+    return f"anon-{bytes(hashes[0]).hex()[:16]}" if hashes else f"anon-{request.request_id}"[:128]
+
+
+@dataclass
+class RequestState:
+    request: Any
+    namespace: bytes
+    session_id: str
+    block_ids: list[int] = field(default_factory=list)  # the request's HBM block table
+    stored_blocks: int = 0  # blocks [0, stored_blocks) are held by kvtier (or were offered)
+    local_tokens: int = 0  # vLLM's own prefix hit at admission
+    loaded_tokens: int = 0  # tokens loaded from kvtier at admission
+
+
+class KVTierScheduler:
+    def __init__(self, vllm_config: Any, fingerprint: ModelFingerprint, extra: dict):
+        self.fingerprint = fingerprint
+        self.block_tokens = fingerprint.geometry.block_tokens
+        nvme_dir, nvme_bytes = extra.get("nvme_dir"), int(extra.get("nvme_bytes", 0))
+        records = []
+        if nvme_dir and nvme_bytes:
+            scanner = NvmeStore(nvme_dir, nvme_bytes, io_threads=1, direct=str(extra.get("direct_io", "auto")))
+            records = scanner.scan()
+            scanner.close()
+        self.manager = TierManager(
+            fingerprint,
+            dram_bytes=int(extra.get("dram_bytes", 4 << 30)),
+            nvme_bytes=nvme_bytes if nvme_dir else 0,
+            policy=str(extra.get("policy", "lru")),
+            high_watermark=float(extra.get("high_watermark", 0.90)),
+            low_watermark=float(extra.get("low_watermark", 0.75)),
+            nvme_records=records,
+        )
+        self.requests: dict[str, RequestState] = {}
+        self._jobs: list[Job] = []  # planned this step, shipped by build_connector_meta
+        self._missing: list[int] = []  # HBM blocks promised but not loadable: load errors
+        log.info("kvtier: %s, DRAM %d slots, NVMe %s (%d blocks found)", fingerprint.model_id,
+                 self.manager.slots.num_slots, nvme_dir or "off", len(records))
+
+    # ---- admission ----------------------------------------------------------------------------
+    def _state(self, request: Any) -> RequestState:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            namespace = namespace_of(self.fingerprint.digest, getattr(request, "cache_salt", None))
+            state = RequestState(request, namespace, session_of(request))
+            self.requests[request.request_id] = state
+        return state
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens kvtier can load beyond vLLM's own hit (synchronously, before the forward)."""
+        state = self._state(request)
+        state.local_tokens = num_computed_tokens  # vLLM's own hit; update_state_after_alloc needs it
+        bs = self.block_tokens
+        usable = min(len(request.block_hashes), (request.num_tokens - 1) // bs)  # never the last token
+        start = num_computed_tokens // bs
+        if start >= usable:
+            return 0, False
+        rows = self.manager.index.lookup(state.namespace, request.block_hashes[:usable])  # no side effects
+        hit = len(rows) - start
+        if hit <= 0:
+            return 0, False
+        in_dram = int((self.manager.index.col["flags"][rows[start:]] & IN_DRAM != 0).sum())
+        n = blocks_to_load(LoadCandidate(start, hit, in_dram, bs))
+        return n * bs, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        state = self._state(request)
+        if num_external_tokens <= 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        start = state.local_tokens // self.block_tokens
+        count = num_external_tokens // self.block_tokens
+        rows = self.manager.lookup(state.namespace, request.block_hashes[: start + count])[start:]
+        job = self.manager.prepare_load(rows, block_ids[start : start + len(rows)])
+        loaded = len(job.moves) if job else 0
+        if job is not None:
+            job.session_id = state.session_id
+            self._jobs.append(job)
+        if loaded < count:  # blocks gone since the lookup: reported as load errors, vLLM recomputes them
+            self._missing.extend(block_ids[start + loaded : start + count])
+        state.loaded_tokens = num_external_tokens
+        self.manager.counters["loaded_tokens"] += num_external_tokens
+
+    # ---- per step -----------------------------------------------------------------------------
+    def build_jobs(self, scheduler_output: Any) -> tuple[list[Job], list[int]]:
+        """This step's jobs (loads planned at admission, stores of the blocks it completes,
+        watermark pressure) and the HBM blocks that were promised but cannot be loaded."""
+        self._track_block_tables(scheduler_output)
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                self._plan_stores(state, state.request.num_computed_tokens + scheduled)
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        jobs, self._jobs = self._jobs, []
+        missing, self._missing = self._missing, []
+        jobs.extend(self.manager.maintenance())
+        return jobs, missing
+
+    def _track_block_tables(self, scheduler_output: Any) -> None:
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self.requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            state = self.requests.get(req_id)
+            if state is None or new_ids is None:
+                continue
+            if req_id in resumed:  # preempted and re-admitted: a whole new block table
+                state.block_ids = list(new_ids[0])
+            else:
+                state.block_ids.extend(new_ids[0])
+
+    def _plan_stores(self, state: RequestState, computed_after_step: int) -> None:
+        request = state.request
+        full = min(computed_after_step // self.block_tokens, len(request.block_hashes), len(state.block_ids))
+        if full <= state.stored_blocks:
+            return
+        keys = list(request.block_hashes[:full])
+        self.manager.record_session(state.session_id, state.namespace, keys, computed_after_step).hot = True
+        first = state.stored_blocks
+        job = self.manager.prepare_store(state.session_id, state.namespace, keys[first:full], state.block_ids[first:full])
+        if job is not None:
+            self._jobs.append(job)
+        # Blocks DRAM had no room for are offered again next step (demotion makes room meanwhile),
+        # as long as the request holds them in HBM.
+        index = self.manager.index
+        state.stored_blocks = next((i for i in range(first, full) if index.row_of(state.namespace, keys[i]) is None),
+                                   full)
+
+    def enqueue(self, job: Job | None) -> None:
+        """Ship an operator's job (evict, pin, snapshot...) with the next step's metadata."""
+        if job is not None:
+            self._jobs.append(job)
+
+    def complete(self, results: list) -> None:
+        for result in results:
+            if result.job_id >= 0:
+                self.manager.complete(result)
+
+    def request_finished(self, request: Any) -> dict | None:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            return None
+        session = self.manager.sessions.get(state.session_id)
+        if session is not None:
+            session.hot = False
+        return {"kvtier": {"session_id": state.session_id, "loaded_tokens": state.loaded_tokens}}
+

@@ -1,0 +1,96 @@
+"""The connector's worker half: vLLM's KV tensors, the DRAM arena, the NVMe store and the mover.
+
+Runs in the worker process (the same process when vLLM runs in-process). It executes the jobs in
+each step's metadata and decides nothing:
+* loads run in ``start_load_kv``, before the forward pass that needs them;
+* stores run in ``wait_for_save``, after the forward pass that computed the blocks: on the CPU a
+  memcpy-speed copy into DRAM slots, so no later step can overwrite a block before it is saved;
+* everything else (demotions to NVMe, promotions, drops) runs on the mover's threads, off the
+  forward path.
+Results go back to the scheduler half in the worker metadata of the step that finishes them.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from kvtier.jobs import Job, JobKind, JobResult
+from kvtier.layout import ModelFingerprint, adapter_for
+from kvtier.mover import Mover
+from kvtier.tiers.dram import DramArena, SlotAllocator
+from kvtier.tiers.nvme import NvmeStore
+from kvtier.plugins.vllm.geometry import layout_name
+
+__all__ = ["KVTierWorker"]
+
+log = logging.getLogger("kvtier.connector")
+
+
+def _layer_index(name: str) -> int:
+    numbers = re.findall(r"\d+", name)
+    return int(numbers[0]) if numbers else 0
+
+
+class KVTierWorker:
+    def __init__(self, fingerprint: ModelFingerprint, extra: dict):
+        self.fingerprint = fingerprint
+        self.extra = extra
+        self.mover: Mover | None = None
+        self.nvme: NvmeStore | None = None
+        self._results: list[JobResult] = []
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        names = sorted(kv_caches, key=_layer_index)
+        layers = [kv_caches[name] for name in names]
+        geometry = self.fingerprint.geometry
+        slots = SlotAllocator(int(self.extra.get("dram_bytes", 4 << 30)), geometry.block_bytes)  # as the scheduler
+        arena = DramArena.for_allocator(slots)
+        nvme_dir, nvme_bytes = self.extra.get("nvme_dir"), int(self.extra.get("nvme_bytes", 0))
+        if nvme_dir and nvme_bytes:
+            self.nvme = NvmeStore(nvme_dir, nvme_bytes, int(self.extra.get("io_threads", 8)),
+                                  str(self.extra.get("direct_io", "auto")))
+            self.nvme.scan()
+        adapter = adapter_for(layout_name(layers[0]), geometry)
+        self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers)
+        log.info("kvtier worker: %d KV layers (%s layout), DRAM arena %d MiB%s", len(layers), adapter.name,
+                 arena.buffer.numel() >> 20, " (pinned)" if arena.pinned else "")
+
+    def start_load_kv(self, jobs: list[Job], missing: list[int]) -> None:
+        self._load_errors.update(missing)
+        for job in jobs:
+            if job.kind == JobKind.LOAD:
+                self._run_now(job)
+
+    def wait_for_save(self, jobs: list[Job]) -> None:
+        synchronous = bool(self.extra.get("synchronous", False))  # tests and debugging: no background IO
+        for job in jobs:
+            if job.kind == JobKind.STORE or (synchronous and job.kind != JobKind.LOAD):
+                self._run_now(job)
+            elif job.kind != JobKind.LOAD:
+                self.mover.submit(job)
+
+    def _run_now(self, job: Job) -> None:
+        result = self.mover.run(job)
+        if job.kind == JobKind.LOAD and not result.ok:
+            failed = result.failed or range(len(job.moves))
+            self._load_errors.update(job.moves[i].device_block for i in failed)
+            log.warning("kvtier: %d blocks failed to load (%s); vLLM recomputes them", len(failed), result.error)
+        self._results.append(result)
+
+    def take_results(self) -> list[JobResult]:
+        results, self._results = self._results, []
+        if self.mover is not None:
+            results.extend(self.mover.poll())
+        return results
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.mover is not None:
+            self.mover.close()
+        if self.nvme is not None:
+            self.nvme.close()

@@ -1,0 +1,89 @@
+"""End to end through HTTP: `kvtier serve` on the tiny demo model, the `openai` client, SIGTERM."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvtier serve exited early with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError("server not ready in time")
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie no one reaped yet counts as gone
+        return stat.read().split()[2] == "Z"
+
+
+def test_chat_through_kvtier_serve_reloads_session_after_prefix_reset(tiny_model, tmp_path):
+    port = free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(tmp_path), VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PYTHONUNBUFFERED="1")
+    log = open(tmp_path / "server.log", "w")
+    cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", str(tiny_model), "--port", str(port),
+           "--dram", "256MiB", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "1GiB",
+           "--", "--max-model-len", "4096", "--enforce-eager", "--served-model-name", "tiny"]
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, server)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        long_context = " ".join(f"def function_{i}(x): return x * {i}" for i in range(120))
+        messages = [{"role": "user", "content": long_context}]
+
+        def turn():
+            return client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=8, temperature=0, seed=0,
+                extra_headers={"X-Session-ID": "agent-a"})
+
+        first = turn()
+        assert first.kv_transfer_params["kvtier"]["session_id"] == "agent-a"
+        messages.append({"role": "assistant", "content": first.choices[0].message.content})
+        messages.append({"role": "user", "content": "and the next step?"})
+        second = turn()
+        # vLLM forgets everything it cached; kvtier still holds the session
+        urllib.request.urlopen(urllib.request.Request(base + "/reset_prefix_cache", method="POST"), timeout=30)
+        again = turn()
+        assert again.choices[0].message.content == second.choices[0].message.content
+        assert again.kv_transfer_params["kvtier"]["loaded_tokens"] >= 0.9 * again.usage.prompt_tokens - 128
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            code = server.wait(timeout=90)
+        finally:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+    assert code == 0, (tmp_path / "server.log").read_text()[-3000:]
+    # no process of the server's group is left behind
+    leftovers = subprocess.run(["pgrep", "-g", str(server.pid)], capture_output=True, text=True).stdout.split()
+    assert all(process_gone(int(pid)) for pid in leftovers)

@@ -1,0 +1,200 @@
+"""kvtier inside real vLLM (vllm-cpu 0.32, in-process engine) on the tiny local demo model.
+
+Each test compares against the same requests on an engine without any connector: greedy tokens and
+top logprobs must be identical wherever the cached/computed split is the same.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+_VLLM_TMP = tempfile.mkdtemp(prefix="kvtier-vllm-")
+for _key, _value in {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CACHE_ROOT": os.path.join(_VLLM_TMP, "cache"),
+}.items():
+    os.environ.setdefault(_key, _value)
+
+vllm = pytest.importorskip("vllm")
+from vllm import SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from kvtier.index import Tier  # noqa: E402
+
+BLOCK = 128  # vLLM's CPU block size
+GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+
+
+def make_llm(model: str, nvme_dir=None, connector=True, dram_bytes=256 << 20, max_batched=2048, max_len=4096):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs = {}
+    if connector:
+        extra = {"dram_bytes": dram_bytes, "model_id": "kvtier-demo-tiny", "synchronous": True}
+        if nvme_dir is not None:
+            extra.update(nvme_dir=str(nvme_dir), nvme_bytes=1 << 30)
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra)
+    return LLM(model=model, dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=max_batched,
+               enforce_eager=True, enable_prefix_caching=True, seed=0, **kwargs)
+
+
+def scheduler_connector(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def run(llm, prompt_ids, session=None):
+    prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+    return llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+
+
+def same_output(a, b) -> bool:
+    """Identical greedy tokens and identical top-3 logprobs, bit for bit."""
+    if list(a.outputs[0].token_ids) != list(b.outputs[0].token_ids):
+        return False
+    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        if {k: v.logprob for k, v in x.items()} != {k: v.logprob for k, v in y.items()}:
+            return False
+    return True
+
+
+def prompt_of(session: int, tokens: int) -> list[int]:
+    return [3 + (session * 7919 + i * 31) % 1900 for i in range(tokens)]
+
+
+def close(llm) -> None:
+    """Shut an engine down completely: vLLM keeps one KV connector per process, so only one engine
+    may be alive at a time (a second one would silently reuse the first one's worker connector)."""
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+    llm.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()
+    del llm
+    gc.collect()
+
+
+def baseline(model, prompts: list[list[int]]) -> list:
+    """The same prompts, in order, on an engine without any connector (its own prefix cache on)."""
+    llm = make_llm(str(model), connector=False)
+    try:
+        return [run(llm, p) for p in prompts]
+    finally:
+        close(llm)
+
+
+def test_sessions_and_turns_match_an_engine_without_connector(tiny_model, tmp_path):
+    # three sessions, three turns each: every turn extends the conversation with the reply and more text
+    llm = make_llm(str(tiny_model), connector=False)
+    histories = {s: prompt_of(s, 300 + 90 * s) for s in range(3)}
+    prompts, expected = [], []
+    for _turn in range(3):
+        for s, history in histories.items():
+            out = run(llm, history)
+            prompts.append(history)
+            expected.append(out)
+            histories[s] = history + list(out.outputs[0].token_ids) + prompt_of(10 + s, 150)
+    close(llm)
+    tiered = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme")
+    for prompt, plain in zip(prompts, expected):
+        out = run(tiered, prompt)
+        assert same_output(plain, out)
+        assert plain.num_cached_tokens == out.num_cached_tokens
+    stats = scheduler_connector(tiered).manager.stats()
+    assert stats["counters"]["stored_blocks"] > 0 and stats["dram"]["blocks"] > 0
+    assert len(scheduler_connector(tiered).manager.sessions) == 3  # anonymous sessions, one per prefix
+    close(tiered)
+
+
+def test_after_prefix_cache_reset_the_turn_loads_from_dram(tiny_model, tmp_path):
+    history = prompt_of(5, 1200)
+    follow_up = history + prompt_of(6, 200)
+    plain = baseline(tiny_model, [history, follow_up])[1]  # vLLM's own prefix cache hit
+    llm = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme")
+    run(llm, history)
+    llm.reset_prefix_cache()  # vLLM forgets; kvtier still holds the blocks in DRAM
+    tiered = run(llm, follow_up)
+    assert tiered.num_cached_tokens >= 0.9 * len(follow_up) - BLOCK
+    assert tiered.num_cached_tokens == plain.num_cached_tokens
+    assert same_output(plain, tiered)
+    assert scheduler_connector(llm).manager.counters["hit_dram_blocks"] > 0
+    close(llm)
+
+
+def evict_first_session_to_nvme(llm) -> None:
+    connector = scheduler_connector(llm)
+    session = next(iter(connector.manager.sessions))
+    connector._scheduler.enqueue(connector.manager.evict(session, Tier.NVME))
+    run(llm, prompt_of(99, 40))  # one step carries the demotion to the worker
+    info = connector.manager.session_info(session)
+    assert info["blocks_nvme"] == info["blocks"] and info["blocks_dram"] == 0
+
+
+def test_evicted_to_nvme_loads_back_and_survives_a_restart(tiny_model, tmp_path):
+    nvme = tmp_path / "nvme"
+    history = prompt_of(7, 1500)
+    follow_up = history + prompt_of(8, 100)
+    _, plain = baseline(tiny_model, [history, follow_up])
+    llm = make_llm(str(tiny_model), nvme_dir=nvme)
+    run(llm, history)
+    evict_first_session_to_nvme(llm)
+    llm.reset_prefix_cache()
+    tiered = run(llm, follow_up)
+    assert tiered.num_cached_tokens == plain.num_cached_tokens >= 0.9 * len(follow_up) - BLOCK
+    assert same_output(plain, tiered)
+    assert scheduler_connector(llm).manager.counters["hit_nvme_blocks"] > 0
+    close(llm)
+    # a new engine on the same NVMe directory: the cold tier still serves the conversation (the
+    # blocks the follow-up added went to DRAM only, which a restart empties)
+    restarted = make_llm(str(tiny_model), nvme_dir=nvme)
+    again = run(restarted, follow_up)
+    assert again.num_cached_tokens == plain.num_cached_tokens
+    assert same_output(plain, again)
+    close(restarted)
+
+
+def test_corrupt_block_on_disk_is_recomputed(tiny_model, tmp_path):
+    nvme = tmp_path / "nvme"
+    history = prompt_of(11, 1100)
+    follow_up = history + prompt_of(12, 50)
+    plain = baseline(tiny_model, [follow_up])[0]
+    llm = make_llm(str(tiny_model), nvme_dir=nvme)
+    run(llm, history)
+    evict_first_session_to_nvme(llm)
+    close(llm)
+    files = sorted(nvme.rglob("*.kvb"))
+    assert len(files) >= 5
+    victim = files[len(files) // 2]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    victim.write_bytes(bytes(data))
+    restarted = make_llm(str(tiny_model), nvme_dir=nvme)
+    tiered = run(restarted, follow_up)
+    assert list(tiered.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+    counters = scheduler_connector(restarted).manager.counters
+    # the load stopped at the bad block: the blocks before it came from NVMe, vLLM recomputed the rest
+    assert counters["nvme_failed_reads"] >= 1
+    assert counters["hit_nvme_blocks"] < (len(follow_up) - 1) // BLOCK
+    assert not victim.exists()
+    close(restarted)
+
+
+def test_long_prompt_with_chunked_prefill_stores_and_loads(tiny_model, tmp_path):
+    llm = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme", max_batched=2048, max_len=16384 + 64)
+    prompt = prompt_of(13, 16000)
+    first = run(llm, prompt)
+    connector = scheduler_connector(llm)
+    assert connector.manager.counters["stored_blocks"] >= 16000 // BLOCK - 1  # every chunk stored
+    llm.reset_prefix_cache()
+    second = run(llm, prompt)
+    assert second.num_cached_tokens == (16000 - 1) // BLOCK * BLOCK
+    assert list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids)
+    close(llm)
