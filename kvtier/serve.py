@@ -341,6 +341,9 @@ def vllm_command(
            "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     if kv_cache_dtype:
         cmd += ["--kv-cache-dtype", kv_cache_dtype]
+    if not any(arg.split("=", 1)[0] == "--served-model-name" for arg in extra):
+        # clients name the model by its short id, not by a cache path
+        cmd += ["--served-model-name", config["kv_connector_extra_config"]["model_id"]]
     cmd += extra
     env = dict(os.environ if base_env is None else base_env)
     if is_cpu_only() if cpu is None else cpu:

@@ -198,3 +198,15 @@ def test_long_prompt_with_chunked_prefill_stores_and_loads(tiny_model, tmp_path)
     assert second.num_cached_tokens == (16000 - 1) // BLOCK * BLOCK
     assert list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids)
     close(llm)
+
+
+def test_demo_snapshot_survives_a_restart_and_restores(tiny_model, tmp_path, monkeypatch):
+    # the seed's scenario end to end: serve, snapshot, stop (tiers wiped), new engine, restore, next turn
+    from kvtier.plugins.vllm import demo
+
+    monkeypatch.setattr("kvtier.demo_model.ensure_demo_model", lambda size, progress=None: tiny_model)
+    lines: list[str] = []
+    result = demo.run_demo(tokens=1100, size="tiny", workdir=str(tmp_path), say=lines.append)
+    assert result["loaded_tokens"] >= (1100 // BLOCK) * BLOCK  # the whole snapshot came back
+    assert (tmp_path / "agent-42.kvsnap").exists()
+    assert any("faster" in line for line in lines)

@@ -138,6 +138,49 @@ def bench_tiers(
     print_table("kvtier bench tiers", ["figure", "value"], rows)
 
 
+@bench_app.command("serve")
+@handle_errors
+def bench_serve(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quick: bool = typer.Option(False, "--quick", help="4k prompts only and a shorter decode."),
+) -> None:
+    """Real vLLM on the mid demo model: restored vs recomputed TTFT, decode and prefill overhead."""
+    from kvtier.plugins.vllm.bench_serve import SERVE_KEYS, run_serve_bench
+
+    import contextlib
+    import sys
+
+    say = (lambda _msg: None) if json_out else (lambda msg: typer.echo(f"… {msg}", err=True))
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
+        results = run_serve_bench(quick=quick, progress=say)
+    if json_out:
+        emit_json({key: round(results[key], 4) for key in SERVE_KEYS})
+        return
+    rows = [(key, f"{results[key]:.4f}") for key in SERVE_KEYS]
+    rows += [(key.lstrip("_"), f"{value:.3f}" if isinstance(value, float) else value)
+             for key, value in results.items() if key.startswith("_")]
+    print_table("kvtier bench serve", ["figure", "value"], rows)
+
+
+@app.command("demo")
+@handle_errors
+def demo(
+    tokens: int = typer.Option(8192, "--tokens", min=256, max=32000, help="Length of the agent's context."),
+    size: str = typer.Option("tiny", "--size", help="Demo model: tiny or mid."),
+    json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON at the end."),
+) -> None:
+    """The overnight scenario on real vLLM: long session, snapshot, restart, restore, next turn."""
+    from kvtier.plugins.vllm.demo import run_demo
+
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; keep the story readable
+        results = run_demo(tokens=tokens, size=size, say=lambda msg: typer.echo(msg, err=True))
+    if json_out:
+        emit_json(results)
+
+
 # ---- snapshot (offline) ---------------------------------------------------------------------------
 @snapshot_app.command("inspect")
 @handle_errors

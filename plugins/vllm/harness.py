@@ -1,0 +1,86 @@
+"""An in-process vLLM engine with kvtier, for the demo and the serving benchmark.
+
+vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the connector's scheduler
+half is reachable: operator actions (evict, snapshot, restore) are planned on its manager and
+shipped to the worker with the next engine step, exactly as the admin API will do in a server.
+Only one engine may be alive per process (vLLM keeps one KV connector per process).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["Engine", "cpu_environment"]
+
+
+def cpu_environment(tmp: str | None = None) -> None:
+    """Environment for an in-process vLLM on a CPU-only box (set before vLLM is imported)."""
+    tmp = tmp or tempfile.mkdtemp(prefix="kvtier-vllm-")
+    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": os.path.join(tmp, "cache"),
+                "VLLM_LOGGING_LEVEL": "WARNING"}
+    from kvtier.serve import is_cpu_only
+
+    if is_cpu_only():
+        defaults.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4")
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+class Engine:
+    """One vLLM engine; with ``kvtier=True`` it runs the KVTierConnector (synchronous IO)."""
+
+    def __init__(self, model: str, kvtier: bool, nvme_dir: str | Path | None = None, dram_bytes: int = 2 << 30,
+                 max_len: int = 16384 + 256, max_batched: int = 2048, model_id: str | None = None):
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        kwargs: dict[str, Any] = {}
+        if kvtier:
+            extra = {"dram_bytes": dram_bytes, "model_id": model_id or Path(model).name, "synchronous": True}
+            if nvme_dir is not None:
+                extra.update(nvme_dir=str(nvme_dir), nvme_bytes=64 << 30)
+            kwargs["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+                kv_connector_extra_config=extra)
+        self.llm = LLM(model=model, dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=max_batched,
+                       enforce_eager=True, enable_prefix_caching=True, seed=0, **kwargs)
+
+    @property
+    def connector(self):
+        return self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+    @property
+    def manager(self):
+        return self.connector.manager
+
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int = 1):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)[0]
+
+    def timed(self, prompt_ids: Sequence[int], max_tokens: int = 1) -> tuple[float, Any]:
+        start = time.perf_counter()
+        out = self.generate(prompt_ids, max_tokens)
+        return time.perf_counter() - start, out
+
+    def run_job(self, job) -> None:
+        """Ship an operator job to the worker with one engine step (a one-token request)."""
+        self.connector._scheduler.enqueue(job)
+        self.generate([7, 8, 9], 1)
+
+    def forget_hbm(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+        self.llm.llm_engine.engine_core.shutdown()
+        ensure_kv_transfer_shutdown()
+        del self.llm
+        gc.collect()
