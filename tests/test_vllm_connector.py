@@ -210,3 +210,35 @@ def test_demo_snapshot_survives_a_restart_and_restores(tiny_model, tmp_path, mon
     assert result["loaded_tokens"] >= (1100 // BLOCK) * BLOCK  # the whole snapshot came back
     assert (tmp_path / "agent-42.kvsnap").exists()
     assert any("faster" in line for line in lines)
+
+
+def test_preemption_keeps_outputs_correct(tiny_model, tmp_path):
+    # a KV cache of 17 blocks for four 1k-token requests that grow while decoding: vLLM must preempt
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=prompt_of(40 + i, 1000)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def outputs(connector: bool):
+        kwargs = {}
+        if connector:
+            kwargs["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"dram_bytes": 64 << 20, "nvme_dir": str(tmp_path / "nvme"),
+                                           "nvme_bytes": 1 << 30, "synchronous": True})
+        llm = LLM(model=str(tiny_model), dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=2048,
+                  enforce_eager=True, enable_prefix_caching=True, seed=0, num_gpu_blocks_override=17, **kwargs)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            stats = scheduler_connector(llm).manager.stats() if connector else None
+            return [list(o.outputs[0].token_ids) for o in outs], stats
+        finally:
+            close(llm)
+
+    plain, _ = outputs(False)
+    tiered, stats = outputs(True)
+    assert stats["counters"]["preempted_requests"] > 0  # the scenario really preempted
+    assert tiered == plain
+    assert stats["counters"]["stored_blocks"] >= 4 * (1000 // BLOCK)

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvtier.decide import LoadCandidate, blocks_to_load
 from kvtier.index import IN_DRAM, namespace_of, validate_session_id
-from kvtier.jobs import Job, JobKind
+from kvtier.jobs import Job
 from kvtier.layout import ModelFingerprint
 from kvtier.manager import TierManager
 from kvtier.tiers.nvme import NvmeStore
@@ -129,6 +129,7 @@ class KVTierScheduler:
         """This step's jobs (loads planned at admission, stores of the blocks it completes,
         watermark pressure) and the HBM blocks that were promised but cannot be loaded."""
         self._track_block_tables(scheduler_output)
+        self.manager.counters["preempted_requests"] += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is not None:
