@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from kvtier.cli.output import emit_json, handle_errors, human_bytes, print_table
+from kvtier.cli.output import bench_progress, emit_bench, emit_json, handle_errors, human_bytes, print_table
 
 __all__ = ["app", "main"]
 
@@ -127,15 +127,9 @@ def bench_tiers(
         from kvtier.errors import UsageError
 
         raise UsageError(f"{directory} is not a directory", hint="pass --dir an existing directory on the disk to test")
-    say = (lambda _msg: None) if json_out else (lambda msg: typer.echo(f"… {msg}", err=True))
-    results = run_tiers_bench(quick=quick, directory=str(directory) if directory else None, progress=say)
-    if json_out:
-        emit_json({key: round(results[key], 4) for key in TIERS_KEYS})
-        return
-    rows = [(key, f"{results[key]:.3f}") for key in TIERS_KEYS]
-    rows += [(key.lstrip("_"), f"{value:.3f}" if isinstance(value, float) else value)
-             for key, value in results.items() if key.startswith("_")]
-    print_table("kvtier bench tiers", ["figure", "value"], rows)
+    results = run_tiers_bench(quick=quick, directory=str(directory) if directory else None,
+                              progress=bench_progress(json_out))
+    emit_bench("kvtier bench tiers", TIERS_KEYS, results, json_out)
 
 
 @bench_app.command("serve")
@@ -150,16 +144,9 @@ def bench_serve(
     import contextlib
     import sys
 
-    say = (lambda _msg: None) if json_out else (lambda msg: typer.echo(f"… {msg}", err=True))
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
-        results = run_serve_bench(quick=quick, progress=say)
-    if json_out:
-        emit_json({key: round(results[key], 4) for key in SERVE_KEYS})
-        return
-    rows = [(key, f"{results[key]:.4f}") for key in SERVE_KEYS]
-    rows += [(key.lstrip("_"), f"{value:.3f}" if isinstance(value, float) else value)
-             for key, value in results.items() if key.startswith("_")]
-    print_table("kvtier bench serve", ["figure", "value"], rows)
+        results = run_serve_bench(quick=quick, progress=bench_progress(json_out))
+    emit_bench("kvtier bench serve", SERVE_KEYS, results, json_out)
 
 
 @app.command("demo")

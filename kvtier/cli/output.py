@@ -14,7 +14,7 @@ import typer
 
 from kvtier.errors import KvtierError, exit_code_for, render_error
 
-__all__ = ["handle_errors", "emit_json", "print_table", "human_bytes"]
+__all__ = ["handle_errors", "emit_json", "print_table", "human_bytes", "emit_bench", "bench_progress"]
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -54,3 +54,19 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def bench_progress(json_out: bool) -> Callable[[str], None]:
+    """Progress lines on stderr for a benchmark (silent with --json)."""
+    return (lambda _msg: None) if json_out else (lambda msg: typer.echo(f"… {msg}", err=True))
+
+
+def emit_bench(title: str, keys: Sequence[str], results: dict, json_out: bool) -> None:
+    """A benchmark's figures: exactly ``keys`` as JSON, or a table with the context figures too."""
+    if json_out:
+        emit_json({key: round(results[key], 4) for key in keys})
+        return
+    rows = [(key, f"{results[key]:.4f}") for key in keys]
+    rows += [(key.lstrip("_"), f"{value:.3f}" if isinstance(value, float) else value)
+             for key, value in results.items() if key.startswith("_")]
+    print_table(title, ["figure", "value"], rows)
