@@ -213,9 +213,6 @@ class BlockIndex:
         total += sum(sys.getsizeof(key) for key in self._keys if key is not None)
         return total + sum(column.nbytes for column in self.col.values())
 
-    def live_rows(self) -> np.ndarray:
-        return np.flatnonzero(self.col["flags"][: len(self._keys)])
-
     # ---- lookups ----------------------------------------------------------------------------
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> np.ndarray:
         """Rows of the longest prefix of ``keys`` whose blocks are stored and complete."""
@@ -236,14 +233,6 @@ class BlockIndex:
             found = found[: int(np.argmin(usable))]
         return found
 
-    def tier_of(self, row: int) -> Tier | None:
-        flags = self.col["flags"][row]
-        if flags & IN_DRAM:
-            return Tier.DRAM
-        if flags & IN_NVME:
-            return Tier.NVME
-        return None
-
     # ---- victims ----------------------------------------------------------------------------
     def candidates(self, tier: Tier) -> np.ndarray:
         """Rows that hold a complete copy in ``tier``, have no job in flight, and may leave it.
@@ -260,14 +249,6 @@ class BlockIndex:
         else:
             ok &= pin == 0
         return np.flatnonzero(ok)
-
-    def bytes_in(self, tier: Tier) -> int:
-        n = len(self._keys)
-        if tier == Tier.DRAM:
-            held = (self.col["flags"][:n] & IN_DRAM) != 0
-            return int(self.col["dram_nbytes"][:n][held].sum())
-        held = (self.col["flags"][:n] & IN_NVME) != 0
-        return int(self.col["nvme_nbytes"][:n][held].sum())
 
     def ref(self, rows: Iterable[int], delta: int) -> None:
         refs = self.col["refs"]
