@@ -39,12 +39,14 @@ class TierEngine:
         direct_io: str = "auto",
         high_watermark: float = 0.90,
         low_watermark: float = 0.75,
+        warm_codec: str = "none",
+        cold_codec: str = "none",
     ):
         self.fingerprint = fingerprint
         self.nvme = NvmeStore(nvme_dir, nvme_bytes, io_threads, direct_io) if nvme_dir and nvme_bytes else None
         records = self.nvme.scan() if self.nvme is not None else []
         self.manager = TierManager(fingerprint, dram_bytes, nvme_bytes if self.nvme is not None else 0, policy,
-                                   high_watermark, low_watermark, records)
+                                   high_watermark, low_watermark, records, warm_codec, cold_codec)
         self.arena = DramArena.for_allocator(self.manager.slots)
         adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
         self.mover = Mover(fingerprint, self.arena, self.nvme, adapter, kv_layers)
@@ -53,7 +55,8 @@ class TierEngine:
     def from_settings(cls, fingerprint: ModelFingerprint, settings: "Settings", **kwargs) -> "TierEngine":
         return cls(fingerprint, settings.dram_bytes, settings.nvme_dir, settings.nvme_bytes, settings.policy,
                    io_threads=settings.io_threads, direct_io=settings.direct_io,
-                   high_watermark=settings.high_watermark, low_watermark=settings.low_watermark, **kwargs)
+                   high_watermark=settings.high_watermark, low_watermark=settings.low_watermark,
+                   warm_codec=settings.warm_codec, cold_codec=settings.cold_codec, **kwargs)
 
     def execute(self, job: Job | None) -> JobResult | None:
         if job is None:

@@ -58,6 +58,7 @@ class Tier(IntEnum):
 IN_DRAM = 1
 IN_NVME = 2
 PENDING = 4  # being stored: invisible to lookups, not yet a victim candidate
+FIRST = 8  # the first block of its sequence (holds the attention sinks; int4-lc keeps them exact)
 
 NO_SLOT = -1
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$")

@@ -31,7 +31,10 @@ class BlockMove:
     key: bytes
     dram_slot: int = -1  # source or destination slot in the DRAM arena
     nbytes: int = 0  # payload bytes (as stored, after the codec)
-    codec: str = "none"
+    codec: str = "none"  # codec of the payload as stored at the source (stores: the codec to write)
+    to_codec: str = ""  # re-encode into this codec on the way ("" = keep ``codec``)
+    first: bool = False  # first block of its sequence (codecs keep its attention sinks)
+    reserved: int = 0  # NVMe bytes the manager reserved for this move's file
     device_block: int = -1  # vLLM block id in HBM for stores and loads
     from_nvme: bool = False  # loads: read from NVMe into dram_slot first
     to_nvme: bool = False  # restores: write straight to NVMe instead of DRAM

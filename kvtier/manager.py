@@ -22,7 +22,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kvtier.errors import NotFoundError, UsageError
-from kvtier.index import IN_DRAM, IN_NVME, PENDING, BlockIndex, Session, Tier, validate_session_id
+from kvtier.codecs import get_codec, resolve_codec
+from kvtier.index import FIRST, IN_DRAM, IN_NVME, PENDING, BlockIndex, Session, Tier, validate_session_id
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint
 from kvtier.manager_ops import SessionOps
@@ -43,10 +44,14 @@ class TierManager(SessionOps):
         high_watermark: float = 0.90,
         low_watermark: float = 0.75,
         nvme_records: Iterable = (),
+        warm_codec: str = "none",
+        cold_codec: str = "none",
     ):
         self.fingerprint = fingerprint
         self.geometry = fingerprint.geometry
-        self.slots = SlotAllocator(dram_bytes, self.geometry.block_bytes)
+        self.warm_codec = resolve_codec(warm_codec, self.geometry, "warm")
+        self.cold_codec = resolve_codec(cold_codec, self.geometry, "cold")
+        self.slots = SlotAllocator(dram_bytes, get_codec(self.warm_codec).max_bytes(self.geometry))
         self.nvme_capacity = int(nvme_bytes)
         self.high, self.low = high_watermark, low_watermark
         self.index = BlockIndex()
@@ -163,11 +168,14 @@ class TierManager(SessionOps):
 
     # ---- stores -------------------------------------------------------------------------------
     def prepare_store(self, session_id: str, namespace: bytes, keys: Sequence[bytes],
-                      device_blocks: Sequence[int]) -> Job | None:
-        """A STORE job for the blocks of ``keys`` not yet held (None when there is nothing to do)."""
+                      device_blocks: Sequence[int], start: int = 0) -> Job | None:
+        """A STORE job for the blocks of ``keys`` not yet held (None when there is nothing to do).
+
+        ``start`` is the position of ``keys[0]`` in its sequence (0: it is the first block).
+        """
         moves = []
-        nbytes = self.geometry.block_bytes
-        for key, device_block in zip(keys, device_blocks):
+        codec = get_codec(self.warm_codec)
+        for position, (key, device_block) in enumerate(zip(keys, device_blocks), start):
             row = self.index.row_of(namespace, key)
             if row is not None:
                 self.index.touch([row])
@@ -176,9 +184,11 @@ class TierManager(SessionOps):
             if slot is None:
                 self.counters["store_deferred_blocks"] += 1
                 break
-            row = self.index.add(namespace, key, PENDING | IN_DRAM)
+            first = position == 0
+            row = self.index.add(namespace, key, PENDING | IN_DRAM | (FIRST if first else 0))
             self.index.col["dram_slot"][row] = slot
-            moves.append(self._move(row, dram_slot=slot, nbytes=nbytes, device_block=device_block))
+            moves.append(self._move(row, dram_slot=slot, nbytes=codec.nbytes_for(self.geometry, first) or 0,
+                                    device_block=device_block, codec=self.warm_codec, first=first))
         if not moves:
             return None
         return self._new_job(JobKind.STORE, moves=moves, session_id=session_id)
@@ -212,8 +222,9 @@ class TierManager(SessionOps):
             if col["flags"][row] & IN_DRAM:
                 move = self._move(row, dram_slot=int(col["dram_slot"][row]), nbytes=int(col["dram_nbytes"][row]),
                                   device_block=device_block)
-            else:  # promote into a free DRAM slot if there is one, else stream through the mover
-                slot = self.slots.allocate()
+            else:  # promote into a free DRAM slot if there is one (and it fits), else stream it
+                fits = int(col["nvme_nbytes"][row]) <= self.slots.slot_bytes
+                slot = self.slots.allocate() if fits else None
                 move = self._move(row, dram_slot=-1 if slot is None else slot, device_block=device_block,
                                   from_nvme=True, nbytes=int(col["nvme_nbytes"][row]))
             self.index.ref([row], +1)
@@ -282,12 +293,15 @@ class TierManager(SessionOps):
             if col["flags"][row] & IN_NVME:  # already on disk: releasing the DRAM copy is enough
                 self._release_dram(row, evicted=True)
                 continue
-            size = file_bytes_for(int(col["dram_nbytes"][row]))
+            codec = self.index.codecs[col["dram_codec"][row]]
+            to_codec = "" if codec == self.cold_codec else self.cold_codec
+            nbytes = int(col["dram_nbytes"][row])
+            size = file_bytes_for(get_codec(to_codec).max_bytes(self.geometry) if to_codec else nbytes)
             if self.nvme_capacity and self._make_nvme_room(size, drops):
                 self._nvme_used += size
                 self.index.ref([row], +1)
-                moves.append(self._move(row, dram_slot=int(col["dram_slot"][row]), nbytes=int(col["dram_nbytes"][row]),
-                                        codec=self.index.codecs[col["dram_codec"][row]]))
+                moves.append(self._move(row, dram_slot=int(col["dram_slot"][row]), nbytes=nbytes, codec=codec,
+                                        to_codec=to_codec, first=bool(col["flags"][row] & FIRST), reserved=size))
             else:  # nowhere colder to keep it: let it go, vLLM recomputes it if it comes back
                 self._release_dram(row, evicted=True)
                 self._forget_if_homeless(row)
@@ -316,11 +330,11 @@ class TierManager(SessionOps):
         for i, move in enumerate(job.moves):
             row = move.row
             self.index.ref([row], -1)
-            size = file_bytes_for(move.nbytes)
             if i in failed:
-                self._nvme_used -= size
+                self._nvme_used -= move.reserved
                 self.counters["demote_failed_blocks"] += 1
                 continue
+            self._nvme_used += file_bytes_for(move.nbytes) - move.reserved  # the codec's real size
             col["flags"][row] |= IN_NVME
             col["nvme_nbytes"][row] = move.nbytes
             col["nvme_codec"][row] = self.index.codec_id(move.codec)
@@ -339,6 +353,8 @@ class TierManager(SessionOps):
         job = self.jobs.pop(result.job_id, None)
         if job is None:
             raise UsageError(f"job {result.job_id} is not pending")
+        for i, (nbytes, codec) in result.extra.get("encoded", {}).items():  # what the mover wrote
+            job.moves[int(i)].nbytes, job.moves[int(i)].codec = int(nbytes), str(codec)
         handler = {
             JobKind.STORE: self._complete_store,
             JobKind.LOAD: lambda j, r: self._complete_staged(j, r, "hit"),

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.errors import CapacityError, FingerprintMismatchError, UsageError
-from kvtier.index import IN_DRAM, IN_NVME, PENDING, Tier
+from kvtier.codecs import get_codec
+from kvtier.index import FIRST, IN_DRAM, IN_NVME, PENDING, Tier
 from kvtier.jobs import Job, JobKind, JobResult
 from kvtier.tiers.nvme import file_bytes_for
 
@@ -121,15 +122,26 @@ class SessionOps:
                              hint="run a turn of the session first, or restore it from a snapshot")
         col = self.index.col
         moves = []
-        for row in rows:
+        for position, row in enumerate(rows):
             in_dram = bool(col["flags"][row] & IN_DRAM)
             nbytes = int(col["dram_nbytes"][row] if in_dram else col["nvme_nbytes"][row])
             codec_col = "dram_codec" if in_dram else "nvme_codec"
             moves.append(self._move(row, dram_slot=int(col["dram_slot"][row]) if in_dram else -1, nbytes=nbytes,
-                                    from_nvme=not in_dram, codec=self.index.codecs[col[codec_col][row]]))
+                                    from_nvme=not in_dram, codec=self.index.codecs[col[codec_col][row]],
+                                    first=position == 0))
+        # one codec per snapshot file: the blocks' own when they share one, else the cold tier's
+        # (without its lossless layer, so every size is known before the file is laid out)
+        codecs = {m.codec for m in moves}
+        target = codecs.pop() if len(codecs) == 1 else self.cold_codec.partition("+")[0]
+        sizes = []  # as written to the file
+        for move in moves:
+            if move.codec != target:
+                move.to_codec = target
+            sizes.append(get_codec(target).nbytes_for(self.geometry, move.first) if move.to_codec else move.nbytes)
         self.index.ref(rows, +1)
         tokens = min(session.num_tokens, len(rows) * self.geometry.block_tokens)
-        header = {"session_id": session_id, "namespace": session.namespace, "num_tokens": tokens}
+        header = {"session_id": session_id, "namespace": session.namespace, "num_tokens": tokens,
+                  "codec": target, "sizes": sizes}
         return self._new_job(JobKind.SNAPSHOT, moves=moves, session_id=session_id, path=str(path), header=header)
 
     def _complete_snapshot(self: "TierManager", job: Job, result: JobResult) -> None:
@@ -149,17 +161,23 @@ class SessionOps:
         for position, entry in enumerate(info.blocks):
             if self.index.row_of(info.namespace, entry.key) is not None:
                 continue
-            slot = self._allocate_slot() if tier == Tier.DRAM else None
+            fits = entry.nbytes <= self.slots.slot_bytes
+            slot = self._allocate_slot() if tier == Tier.DRAM and (fits or not self.nvme_capacity) else None
             to_nvme = slot is None
+            to_codec = self.warm_codec if not to_nvme and not fits else ""  # re-encoded to fit a slot
+            size = 0
             if to_nvme:
                 size = file_bytes_for(entry.nbytes)
                 if not self.nvme_capacity or not self._make_nvme_room(size, drops):
                     break
                 self._nvme_used += size
-            row = self.index.add(info.namespace, entry.key, PENDING | (IN_NVME if to_nvme else IN_DRAM))
+            first = position == 0
+            flags = PENDING | (IN_NVME if to_nvme else IN_DRAM) | (FIRST if first else 0)
+            row = self.index.add(info.namespace, entry.key, flags)
             self.index.col["dram_slot"][row] = -1 if to_nvme else slot
-            moves.append(self._move(row, dram_slot=-1 if to_nvme else slot, nbytes=entry.nbytes,
-                                    codec=info.codec, to_nvme=to_nvme, device_block=position))
+            moves.append(self._move(row, dram_slot=-1 if to_nvme else slot, nbytes=entry.nbytes, codec=info.codec,
+                                    to_nvme=to_nvme, device_block=position, first=first, to_codec=to_codec,
+                                    reserved=size))
         self.record_session(info.session_id, info.namespace, [b.key for b in info.blocks], info.num_tokens)
         if not moves and not drops:
             return None
@@ -173,7 +191,7 @@ class SessionOps:
             row = move.row
             if i in failed:
                 if move.to_nvme:
-                    self._nvme_used -= file_bytes_for(move.nbytes)
+                    self._nvme_used -= move.reserved
                 else:
                     self.slots.free(move.dram_slot)
                 col["flags"][row] = 0

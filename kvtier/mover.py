@@ -19,6 +19,8 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from kvtier.codecs import get_codec, transcode
+from kvtier.codecs.base import Identity, Zstd
 from kvtier.errors import KvtierError
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult
 
@@ -140,18 +142,36 @@ class Mover:
         geometry = self.fingerprint.geometry
         return raw[: geometry.block_bytes].view(getattr(torch, geometry.dtype)).view(1, *geometry.block_shape)
 
+    @staticmethod
+    def _note(result: JobResult, index: int, move: BlockMove) -> None:
+        """Report what was written for one move (the manager may run in another process)."""
+        result.extra.setdefault("encoded", {})[index] = (move.nbytes, move.codec)
+
     def _store(self, job: Job, result: JobResult) -> None:
         assert self.adapter is not None and self.kv_layers is not None, "mover has no KV tensors"
-        if self._stream is None:  # CPU: gather each block straight into its DRAM slot
+        plain = all(isinstance(get_codec(m.codec), Identity) for m in job.moves)
+        if self._stream is None and plain:  # CPU: gather each block straight into its DRAM slot
             for move in job.moves:
                 self.adapter.gather(self.kv_layers, [move.device_block], self._as_block(self.arena.slot(move.dram_slot)))
                 self._count("hbm->dram", move.nbytes, result)
             return
-        staging = self._staging(len(job.moves))  # CUDA: one gather on the device, then D2H per slot
+        staging = self._staging(len(job.moves))  # one gather, then per block: encode (and D2H)
         with self._on_stream():
             self.adapter.gather(self.kv_layers, [m.device_block for m in job.moves], staging)
             for i, move in enumerate(job.moves):
-                move.nbytes = self.arena.put(move.dram_slot, staging[i])
+                codec = get_codec(move.codec)
+                if self._stream is not None and plain:
+                    move.nbytes = self.arena.put(move.dram_slot, staging[i])
+                elif self._stream is None or isinstance(codec, Zstd):
+                    move.nbytes = codec.encode(staging[i], self.arena.slot(move.dram_slot), first=move.first)
+                else:  # CUDA: encode on the device, then copy the smaller payload to the pinned slot
+                    import torch
+
+                    scratch = torch.empty(codec.max_bytes(self.fingerprint.geometry), dtype=torch.uint8,
+                                          device=self.device)
+                    move.nbytes = codec.encode(staging[i], scratch, first=move.first)
+                    self.arena.slot(move.dram_slot, move.nbytes).copy_(scratch[: move.nbytes], non_blocking=True)
+                self._note(result, i, move)
                 self._count("hbm->dram", move.nbytes, result)
             self._sync()
 
@@ -164,20 +184,34 @@ class Mover:
             result.failed = list(range(count, len(job.moves)))
         moves = job.moves[:count]
         raw = [sources.get(i, self.arena.slot(m.dram_slot) if m.dram_slot >= 0 else None) for i, m in enumerate(moves)]
-        if self._stream is None:  # CPU: scatter each block straight from its slot or read buffer
+        plain = all(isinstance(get_codec(m.codec), Identity) for m in moves)
+        if self._stream is None and plain:  # CPU: scatter each block straight from its slot or read buffer
             for move, source in zip(moves, raw):
                 self.adapter.scatter(self._as_block(source), self.kv_layers, [move.device_block])
                 self._count("dram->hbm", move.nbytes, result)
             return
         if not moves:
             return
-        staging = self._staging(count)  # CUDA: H2D per block from pinned memory, one scatter
+        staging = self._staging(count)  # decode (on the device with CUDA) into staging, one scatter
         with self._on_stream():
             for i, (move, source) in enumerate(zip(moves, raw)):
-                staging[i].view(-1).view(source.dtype).copy_(source[: move.nbytes], non_blocking=True)
+                self._decode_into(move, source[: move.nbytes], staging[i])
                 self._count("dram->hbm", move.nbytes, result)
             self.adapter.scatter(staging, self.kv_layers, [m.device_block for m in moves])
             self._sync()
+
+    def _decode_into(self, move: BlockMove, payload: "torch.Tensor", block: "torch.Tensor") -> None:
+        """Decode one stored payload into a staging block (CUDA: H2D the payload, decode on the GPU)."""
+        codec = get_codec(move.codec)
+        if self._stream is None:
+            codec.decode(payload, block)
+            return
+        if isinstance(codec, Identity):
+            block.view(-1).view(payload.dtype).copy_(payload, non_blocking=True)
+            return
+        if isinstance(codec, Zstd):  # the lossless layer unpacks on the CPU
+            payload, codec = codec.unpack(payload, codec.inner.max_bytes(self.fingerprint.geometry)), codec.inner
+        codec.decode(payload.to(self.device, non_blocking=True), block)
 
     # ---- DRAM <-> NVMe ------------------------------------------------------------------------
     def _need_store(self) -> "NvmeStore":
@@ -193,8 +227,8 @@ class Mover:
         if not reads:
             return {}
         store = self._need_store()
-        targets = {i: self.arena.slot(m.dram_slot) if m.dram_slot >= 0
-                   else torch.empty(self.arena.slot_bytes, dtype=torch.uint8) for i, m in reads}
+        targets = {i: self.arena.slot(m.dram_slot) if m.dram_slot >= 0 and not m.to_codec
+                   else torch.empty(max(self.arena.slot_bytes, m.nbytes), dtype=torch.uint8) for i, m in reads}
         futures = {i: store.submit_read(m.namespace, m.key, targets[i], self.fingerprint.digest) for i, m in reads}
         sizes = result.extra.setdefault("nbytes", {})
         for i, future in futures.items():
@@ -205,9 +239,16 @@ class Mover:
                 result.extra.setdefault("bad_reads", []).append(i)
                 result.error = str(exc)
                 continue
-            job.moves[i].nbytes, job.moves[i].codec = nbytes, codec
-            sizes[i] = nbytes
+            move = job.moves[i]
+            move.nbytes, move.codec = nbytes, codec
             self._count("nvme->dram", nbytes, result)
+            if move.to_codec and move.dram_slot >= 0:  # re-encode to the warm codec to fit its slot
+                move.nbytes = transcode(targets[i][:nbytes], codec, move.to_codec, self.fingerprint.geometry,
+                                        self.arena.slot(move.dram_slot), first=None)
+                move.codec = move.to_codec
+                targets[i] = self.arena.slot(move.dram_slot)
+            sizes[i] = move.nbytes
+            self._note(result, i, move)
         result.failed.sort()
         return targets
 
@@ -217,10 +258,24 @@ class Mover:
     def _demote(self, job: Job, result: JobResult) -> None:
         self._drop(job, result)
         store = self._need_store()
-        futures = [store.submit_write(m.namespace, m.key, self.arena.slot(m.dram_slot, m.nbytes),
-                                      self.fingerprint.digest, m.codec) for m in job.moves]
+        futures = []
+        for i, move in enumerate(job.moves):
+            payload = self.arena.slot(move.dram_slot, move.nbytes)
+            if move.to_codec:  # the cold tier's codec differs from the warm one
+                payload = self._transcoded(move, payload)
+                self._note(result, i, move)
+            futures.append(store.submit_write(move.namespace, move.key, payload, self.fingerprint.digest, move.codec))
         self._collect_writes(futures, job.moves, result, "dram->nvme")
         store.sync_dirs()
+
+    def _transcoded(self, move: BlockMove, payload: "torch.Tensor") -> "torch.Tensor":
+        """``payload`` re-encoded from ``move.codec`` to ``move.to_codec`` (updates the move)."""
+        import torch
+
+        out = torch.empty(get_codec(move.to_codec).max_bytes(self.fingerprint.geometry), dtype=torch.uint8)
+        n = transcode(payload, move.codec, move.to_codec, self.fingerprint.geometry, out, first=move.first)
+        move.codec, move.nbytes = move.to_codec, n
+        return out[:n]
 
     def _collect_writes(self, futures, moves: Sequence[BlockMove], result: JobResult, link: str) -> None:
         for i, future in enumerate(futures):
@@ -244,21 +299,28 @@ class Mover:
 
         import torch
 
-        bounce = torch.empty(self.arena.slot_bytes, dtype=torch.uint8)
+        header = job.header or {}
+        bounce = torch.empty(max([self.arena.slot_bytes] + [m.nbytes for m in job.moves]), dtype=torch.uint8)
+        sizes = header.get("sizes") or [m.nbytes for m in job.moves]  # as written, after re-encoding
 
         def payloads():
-            for move in job.moves:
+            for i, move in enumerate(job.moves):
                 if move.from_nvme:
-                    nbytes, _ = self._need_store().read_into(move.namespace, move.key, bounce, self.fingerprint.digest)
-                    yield bounce[:nbytes]
+                    nbytes, move.codec = self._need_store().read_into(move.namespace, move.key, bounce,
+                                                                       self.fingerprint.digest)
+                    payload = bounce[:nbytes]
                 else:
-                    yield self.arena.slot(move.dram_slot, move.nbytes)
-                self._count("tier->snapshot", move.nbytes, result)
+                    payload = self.arena.slot(move.dram_slot, move.nbytes)
+                if move.to_codec and move.codec != move.to_codec:
+                    payload = self._transcoded(move, payload)
+                if len(payload) != sizes[i]:
+                    raise KvtierError(f"snapshot: block {i} holds {len(payload)} bytes, planned {sizes[i]}")
+                yield payload
+                self._count("tier->snapshot", len(payload), result)
 
-        header = job.header or {}
-        sizes = [m.nbytes for m in job.moves]
         info = write_snapshot(
-            job.path, self.fingerprint, header["session_id"], header["namespace"], codec=job.moves[0].codec,
+            job.path, self.fingerprint, header["session_id"], header["namespace"],
+            codec=header.get("codec", job.moves[0].codec),
             num_tokens=header["num_tokens"], keys=[m.key for m in job.moves], payloads=payloads(),
             block_nbytes=sizes,
         )
@@ -279,6 +341,14 @@ class Mover:
             if move.to_nvme:  # the reader reuses its buffer: hand the writer its own copy
                 writes.append((i, self._need_store().submit_write(
                     move.namespace, move.key, bytearray(payload), self.fingerprint.digest, move.codec)))
+            elif move.to_codec and move.to_codec != move.codec:  # too big for a warm slot: re-encode
+                import torch
+
+                move.nbytes = transcode(torch.frombuffer(payload, dtype=torch.uint8), move.codec, move.to_codec,
+                                        self.fingerprint.geometry, self.arena.slot(move.dram_slot), first=move.first)
+                move.codec = move.to_codec
+                self._note(result, i, move)
+                self._count("snapshot->dram", len(payload), result)
             else:
                 self.arena.slot(move.dram_slot, len(payload)).numpy()[:] = np.frombuffer(payload, np.uint8)
                 self._count("snapshot->dram", len(payload), result)

@@ -73,6 +73,8 @@ class KVTierScheduler:
             high_watermark=float(extra.get("high_watermark", 0.90)),
             low_watermark=float(extra.get("low_watermark", 0.75)),
             nvme_records=records,
+            warm_codec=str(extra.get("warm_codec", "none")),
+            cold_codec=str(extra.get("cold_codec", "none")),
         )
         self.requests: dict[str, RequestState] = {}
         self._jobs: list[Job] = []  # planned this step, shipped by build_connector_meta
@@ -165,7 +167,8 @@ class KVTierScheduler:
         keys = list(request.block_hashes[:full])
         self.manager.record_session(state.session_id, state.namespace, keys, computed_after_step).hot = True
         first = state.stored_blocks
-        job = self.manager.prepare_store(state.session_id, state.namespace, keys[first:full], state.block_ids[first:full])
+        job = self.manager.prepare_store(state.session_id, state.namespace, keys[first:full], state.block_ids[first:full],
+                                         start=first)
         if job is not None:
             self._jobs.append(job)
         # Blocks DRAM had no room for are offered again next step (demotion makes room meanwhile),

@@ -18,6 +18,7 @@ from typing import Any
 from kvtier.jobs import Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint, adapter_for
 from kvtier.mover import Mover
+from kvtier.codecs import get_codec, resolve_codec
 from kvtier.tiers.dram import DramArena, SlotAllocator
 from kvtier.tiers.nvme import NvmeStore
 from kvtier.plugins.vllm.geometry import layout_name
@@ -45,7 +46,8 @@ class KVTierWorker:
         names = sorted(kv_caches, key=_layer_index)
         layers = [kv_caches[name] for name in names]
         geometry = self.fingerprint.geometry
-        slots = SlotAllocator(int(self.extra.get("dram_bytes", 4 << 30)), geometry.block_bytes)  # as the scheduler
+        warm = get_codec(resolve_codec(str(self.extra.get("warm_codec", "none")), geometry))
+        slots = SlotAllocator(int(self.extra.get("dram_bytes", 4 << 30)), warm.max_bytes(geometry))  # as the scheduler
         arena = DramArena.for_allocator(slots)
         nvme_dir, nvme_bytes = self.extra.get("nvme_dir"), int(self.extra.get("nvme_bytes", 0))
         if nvme_dir and nvme_bytes:

@@ -1,0 +1,152 @@
+"""CPU decode kernels (numba) for bf16 KV; each returns False when it does not apply.
+
+The torch path in ``quant.py`` is the reference: these kernels compute the same float32 values in
+the same order and round to bf16 the way torch does (round to nearest even), so both paths give
+identical bits (tests compare them). They run when the output is a contiguous bf16 CPU tensor and
+numba imports; ``KVTIER_NO_NUMBA=1`` turns them off. Compiled on first use, cached on disk.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["available", "fp8_decode", "int8_decode", "int4_decode"]
+
+log = logging.getLogger(__name__)
+_kernels: dict[str, Any] | None = None
+_failed = False
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def _load() -> dict[str, Any] | None:
+    global _kernels, _failed
+    if _kernels is not None or _failed:
+        return _kernels
+    if os.environ.get("KVTIER_NO_NUMBA"):
+        _failed = True
+        return None
+    try:
+        _kernels = _compile()
+    except Exception as exc:  # no numba, or it cannot compile here: the torch path stays correct
+        log.info("kvtier codecs: numba kernels unavailable (%s); using torch", exc)
+        _failed = True
+    return _kernels
+
+
+def _compile() -> dict[str, Any]:
+    import numpy as np
+    from numba import njit, prange
+
+    @njit(parallel=True, cache=True)
+    def fp8_lut(q, exp, lut, out):  # pragma: no cover - compiled
+        shift = np.int16(7)
+        for r in prange(q.shape[0]):
+            add = np.int16(exp[r]) << shift
+            for j in range(q.shape[1]):
+                v = lut[q[r, j]]
+                if (v & 0x7FFF) != 0 and (v & 0x7F80) != 0x7F80:
+                    v = np.int16(v + add)
+                out[r, j] = v
+
+    @njit(inline="always")
+    def to_bf16(f, tmp):  # pragma: no cover - compiled
+        tmp[0] = f
+        u = tmp.view(np.uint32)[0]
+        return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+    @njit(parallel=True, cache=True)
+    def int8_dec(q, scale, out):  # pragma: no cover - compiled
+        for r in prange(q.shape[0]):
+            tmp = np.empty(1, np.float32)
+            s = scale[r]
+            for j in range(q.shape[1]):
+                out[r, j] = to_bf16(np.float32(q[r, j]) * s, tmp)
+
+    @njit(parallel=True, cache=True)
+    def int4_dec(kq, vq, kmin, kscale, vmin, vscale, out, L, H, B, D, gk, gv):  # pragma: no cover
+        nk = B // gk
+        nv = D // gv
+        for lh in prange(L * H):
+            tmp = np.empty(1, np.float32)
+            l = lh // H
+            h = lh % H
+            base = lh * B * D
+            for b in range(B):
+                g = (lh * nk + b // gk) * D
+                for d in range(D):
+                    i = base + b * D + d
+                    byte = kq[i >> 1]
+                    c = (byte >> 4) if (i & 1) else (byte & 15)
+                    out[l, h, 0, b, d] = to_bf16(np.float32(c) * kscale[g + d] + kmin[g + d], tmp)
+                for d in range(D):
+                    i = base + b * D + d
+                    byte = vq[i >> 1]
+                    c = (byte >> 4) if (i & 1) else (byte & 15)
+                    gi = (lh * B + b) * nv + d // gv
+                    out[l, h, 1, b, d] = to_bf16(np.float32(c) * vscale[gi] + vmin[gi], tmp)
+
+    return {"fp8_lut": fp8_lut, "int8": int8_dec, "int4": int4_dec}
+
+
+_LUTS: dict[str, Any] = {}
+
+
+def _lut(fmt: str):
+    import torch
+
+    if fmt not in _LUTS:
+        dtype = torch.float8_e5m2 if fmt == "e5m2" else torch.float8_e4m3fn
+        _LUTS[fmt] = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.bfloat16).view(torch.int16).numpy().copy()
+    return _LUTS[fmt]
+
+
+def _applies(out: "torch.Tensor") -> bool:
+    import torch
+
+    return out.device.type == "cpu" and out.dtype == torch.bfloat16 and out.is_contiguous()
+
+
+def fp8_decode(q: "torch.Tensor", exp: "torch.Tensor", out: "torch.Tensor", fmt: str) -> bool:
+    import torch
+
+    if not _applies(out) or q.device.type != "cpu":
+        return False
+    kernels = _load()
+    if kernels is None:
+        return False
+    kernels["fp8_lut"](q.numpy(), exp.numpy(), _lut(fmt), out.view(torch.int16).numpy())
+    return True
+
+
+def int8_decode(q: "torch.Tensor", scale: "torch.Tensor", out: "torch.Tensor") -> bool:
+    import torch
+
+    if not _applies(out) or q.device.type != "cpu":
+        return False
+    kernels = _load()
+    if kernels is None:
+        return False
+    kernels["int8"](q.numpy(), scale.numpy(), out.view(torch.uint16).numpy())
+    return True
+
+
+def int4_decode(kq: "torch.Tensor", vq: "torch.Tensor", parts: dict, out: "torch.Tensor", gk: int, gv: int) -> bool:
+    import torch
+
+    if not _applies(out) or kq.device.type != "cpu":
+        return False
+    kernels = _load()
+    if kernels is None:
+        return False
+    L, H, _, B, D = out.shape
+    f32 = {name: t.float().numpy() for name, t in parts.items()}
+    kernels["int4"](kq.numpy(), vq.numpy(), f32["k_min"], f32["k_scale"], f32["v_min"], f32["v_scale"],
+                    out.view(torch.uint16).numpy(), L, H, B, D, gk, gv)
+    return True
