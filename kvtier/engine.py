@@ -95,6 +95,8 @@ class TierEngine:
         result = self.execute(job)
         if job is None or result is None:
             return 0
+        if not result.ok and not result.failed:  # the whole job failed
+            return 0
         return min(result.failed) if result.failed else len(job.moves)
 
     # ---- operator actions ---------------------------------------------------------------------

@@ -221,12 +221,13 @@ class TierManager(SessionOps):
         for row, device_block in zip(rows, device_blocks):
             if col["flags"][row] & IN_DRAM:
                 move = self._move(row, dram_slot=int(col["dram_slot"][row]), nbytes=int(col["dram_nbytes"][row]),
-                                  device_block=device_block)
+                                  device_block=device_block, codec=self.index.codecs[col["dram_codec"][row]])
             else:  # promote into a free DRAM slot if there is one (and it fits), else stream it
                 fits = int(col["nvme_nbytes"][row]) <= self.slots.slot_bytes
                 slot = self.slots.allocate() if fits else None
                 move = self._move(row, dram_slot=-1 if slot is None else slot, device_block=device_block,
-                                  from_nvme=True, nbytes=int(col["nvme_nbytes"][row]))
+                                  from_nvme=True, nbytes=int(col["nvme_nbytes"][row]),
+                                  codec=self.index.codecs[col["nvme_codec"][row]])
             self.index.ref([row], +1)
             moves.append(move)
         if not moves:

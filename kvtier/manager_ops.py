@@ -71,7 +71,11 @@ class SessionOps:
             if slot is None:
                 self.index.ref([row], -1)
                 break
-            moves.append(self._move(row, dram_slot=slot, from_nvme=True, nbytes=int(col["nvme_nbytes"][row])))
+            nbytes = int(col["nvme_nbytes"][row])
+            moves.append(self._move(row, dram_slot=slot, from_nvme=True, nbytes=nbytes,
+                                    codec=self.index.codecs[col["nvme_codec"][row]],
+                                    to_codec=self.warm_codec if nbytes > self.slots.slot_bytes else "",
+                                    first=bool(col["flags"][row] & FIRST)))
         return self._new_job(JobKind.PROMOTE, moves=moves, session_id=session_id) if moves else None
 
     # ---- evict --------------------------------------------------------------------------------

@@ -244,7 +244,7 @@ class Mover:
             self._count("nvme->dram", nbytes, result)
             if move.to_codec and move.dram_slot >= 0:  # re-encode to the warm codec to fit its slot
                 move.nbytes = transcode(targets[i][:nbytes], codec, move.to_codec, self.fingerprint.geometry,
-                                        self.arena.slot(move.dram_slot), first=None)
+                                        self.arena.slot(move.dram_slot), first=move.first or None)
                 move.codec = move.to_codec
                 targets[i] = self.arena.slot(move.dram_slot)
             sizes[i] = move.nbytes
@@ -273,7 +273,7 @@ class Mover:
         import torch
 
         out = torch.empty(get_codec(move.to_codec).max_bytes(self.fingerprint.geometry), dtype=torch.uint8)
-        n = transcode(payload, move.codec, move.to_codec, self.fingerprint.geometry, out, first=move.first)
+        n = transcode(payload, move.codec, move.to_codec, self.fingerprint.geometry, out, first=move.first or None)
         move.codec, move.nbytes = move.to_codec, n
         return out[:n]
 

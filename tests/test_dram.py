@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import CapacityError
-from kvtier.tiers.dram import PAGE, DramArena, SlotAllocator, round_up
+from kvtier.tiers.dram import PAGE, DramArena, SlotAllocator, round_up, slot_size
 
 KiB = 1024
 
@@ -16,15 +16,18 @@ KiB = 1024
 def test_round_up():
     assert [round_up(n) for n in (0, 1, 4095, 4096, 4097)] == [0, 4096, 4096, 4096, 8192]
     assert round_up(5, 8) == 8
+    assert slot_size(2 << 20) == 2 << 20 and slot_size((1 << 20) + 1) == (1 << 20) + PAGE
+    assert slot_size(4097) == 4352  # a page would waste ~50%: 256-byte aligned instead
 
 
 @pytest.mark.parametrize("capacity,slot", [(10 * PAGE, PAGE), (10 * PAGE - 1, PAGE), (1 << 20, 5000),
                                            (3 * 8192 + 8191, 4097), (PAGE, 1)])
 def test_allocate_until_full(capacity, slot):
     alloc = SlotAllocator(capacity, slot)
-    # Slots are page-rounded, so never more than capacity // slot_bytes of them.
-    assert alloc.slot_bytes == round_up(slot)
-    assert alloc.num_slots == capacity // round_up(slot) <= capacity // slot
+    # Slots are rounded up (to a page, or 256 bytes when a page would waste > 1/16 of a small
+    # slot), so never more than capacity // slot_bytes of them.
+    assert alloc.slot_bytes == slot_size(slot) >= slot
+    assert alloc.num_slots == capacity // slot_size(slot) <= capacity // slot
     taken = []
     # Allocate until the tier says full (None, not an error); the budget holds at every step.
     while (s := alloc.allocate()) is not None:
@@ -109,11 +112,11 @@ def test_allocator_property(capacity, slot, ops):
 
 # ---- DramArena --------------------------------------------------------------------------------
 def test_arena_is_page_aligned_and_slots_do_not_overlap():
-    alloc = SlotAllocator(7 * 8192, 5000)
+    alloc = SlotAllocator(7 * 65536, 65000)
     arena = DramArena.for_allocator(alloc, pin=False)
-    assert arena.slot_bytes == 8192 and arena.num_slots == 7
+    assert arena.slot_bytes == 65536 and arena.num_slots == 7
     assert arena.buffer.data_ptr() % PAGE == 0
-    assert arena.buffer.numel() == 7 * 8192 and arena.buffer.dtype == torch.uint8
+    assert arena.buffer.numel() == 7 * 65536 and arena.buffer.dtype == torch.uint8
     assert not arena.pinned
     # Every slot starts on a page and covers exactly its own byte range.
     spans = []

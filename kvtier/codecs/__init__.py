@@ -38,7 +38,6 @@ __all__ = ["get_codec", "parse_spec", "resolve_codec", "transcode", "CODEC_HELP"
 
 CODEC_HELP = "none, fp8, fp8:e5m2, fp8:head, int8, int4[:gN], int4-lc[:gN], each optionally +zstd"
 SPEC_RE = re.compile(r"^(none|fp8(?::(?:e4m3|e5m2|head))?|int8|int4(?:-lc)?(?::g(?:16|32|64|128))?)(\+zstd)?$")
-MAX_SPEC_CHARS = 24  # the NVMe block header keeps 24 bytes for it
 
 
 def parse_spec(spec: str) -> str:

@@ -101,7 +101,7 @@ class _ZstdState(threading.local):
     def __init__(self) -> None:
         import zstandard
 
-        self.compressor = zstandard.ZstdCompressor(level=1)
+        self.compressor = zstandard.ZstdCompressor(level=1, write_checksum=True)
         self.decompressor = zstandard.ZstdDecompressor()
 
 
@@ -141,7 +141,8 @@ class Zstd(Codec):
         import zstandard
 
         try:
-            raw = self.state.decompressor.decompress(payload.cpu().numpy().tobytes(), max_output_size=limit)
+            raw = self.state.decompressor.decompress(payload.cpu().numpy().tobytes(), max_output_size=limit,
+                                                     allow_extra_data=False)
         except zstandard.ZstdError as exc:
             raise CorruptBlockError(f"codec {self.spec}: {exc}") from None
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)

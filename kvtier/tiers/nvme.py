@@ -44,11 +44,12 @@ __all__ = ["BlockRecord", "NvmeStore", "checksum", "file_bytes_for", "probe_dire
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVTB"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = PAGE
-# magic, version, flags, payload_nbytes, payload_xxh3, created_ns, fingerprint, namespace, codec,
-# key_len, key; then the xxh3 of everything before it.
-_HEADER = struct.Struct("<4sHHQQQ16s16s16sH64s")
+# magic, version, flags, payload_nbytes, payload_xxh3, created_ns, fingerprint, namespace, codec
+# spec (32 bytes; 16 in version 1, still read), key_len, key; then the xxh3 of everything before it.
+_HEADER = struct.Struct("<4sHHQQQ16s16s32sH64s")
+_HEADER_V1 = struct.Struct("<4sHHQQQ16s16s16sH64s")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -361,19 +362,23 @@ class NvmeStore:
 
 
 def _pack_header(buf: mmap.mmap, nbytes, digest, fingerprint, namespace, codec: str, key: bytes) -> None:
+    spec = codec.encode()
+    if len(spec) > 32:
+        raise StorageError(f"NVMe tier: codec name {codec!r} is longer than 32 bytes")
     body = _HEADER.pack(MAGIC, VERSION, 0, nbytes, digest, time.time_ns(), fingerprint, namespace,
-                        codec.encode()[:16], len(key), key)
+                        spec, len(key), key)
     buf[: len(body)] = body
     buf[len(body) : len(body) + 8] = struct.pack("<Q", checksum(body))
 
 
 def _unpack_header(buf: mmap.mmap):
-    body = bytes(buf[: _HEADER.size])
-    (stored,) = struct.unpack("<Q", buf[_HEADER.size : _HEADER.size + 8])
+    layout = _HEADER_V1 if struct.unpack_from("<H", buf, 4)[0] == 1 else _HEADER
+    body = bytes(buf[: layout.size])
+    (stored,) = struct.unpack("<Q", buf[layout.size : layout.size + 8])
     if checksum(body) != stored:
         return None
-    magic, version, _flags, nbytes, digest, _created, fp, ns, codec, key_len, key = _HEADER.unpack(body)
-    if magic != MAGIC or version != VERSION or key_len > 64:
+    magic, version, _flags, nbytes, digest, _created, fp, ns, codec, key_len, key = layout.unpack(body)
+    if magic != MAGIC or version not in (1, VERSION) or key_len > 64:
         return None
     return nbytes, digest, fp, ns, codec.rstrip(b"\0").decode(errors="replace"), key[:key_len]
 
