@@ -154,6 +154,11 @@ def validate_settings(settings: Settings, sources: Mapping[str, str] | None = No
     for name in _PATH_FIELDS + ("warm_codec", "cold_codec"):
         if not getattr(settings, name):
             fail(name, "must not be empty", f"set {name} or leave it unset for the default")
+    from kvtier.codecs import CODEC_HELP, SPEC_RE
+
+    for name in ("warm_codec", "cold_codec"):
+        if not SPEC_RE.match(str(getattr(settings, name)).strip().lower()):
+            fail(name, "unknown codec", f"codecs: {CODEC_HELP}")
 
 
 def find_config_file(env: Mapping[str, str] | None = None) -> Path | None:

@@ -84,6 +84,8 @@ def build_kv_transfer_config(settings: Settings, model_id: str) -> dict:
             "low_watermark": float(settings.low_watermark),
             "io_threads": int(settings.io_threads),
             "direct_io": settings.direct_io,
+            "warm_codec": settings.warm_codec,
+            "cold_codec": settings.cold_codec,
             "model_id": model_id,
         },
     }
@@ -124,6 +126,7 @@ def preflight(
     port: int | None = 8000,
     create_dirs: bool = True,
     extra_args: Sequence[str] = (),
+    kv_cache_dtype: str | None = None,
 ) -> list[str]:
     """Refuse (UsageError / ConfigError, each with a hint) what would make vLLM fail later.
 
@@ -131,6 +134,7 @@ def preflight(
     it.  ``port=None`` skips the port check.  Returns warnings worth printing (nothing fatal).
     """
     warnings: list[str] = []
+    _check_codecs(settings, kv_cache_dtype)
     if model is not None:
         _check_model(model, extra_args)
     warnings += _check_nvme_dir(settings, create_dirs)
@@ -138,6 +142,17 @@ def preflight(
     if port is not None:
         _check_port(host, port)
     return warnings
+
+
+def _check_codecs(settings: Settings, kv_cache_dtype: str | None) -> None:
+    """Codec specs parse, and int8/int4 are refused on an fp8 KV cache (they would re-quantize it)."""
+    from kvtier.codecs import resolve_codec
+    from kvtier.layout import KVGeometry
+
+    itemsize_one = bool(kv_cache_dtype) and str(kv_cache_dtype).startswith("fp8")
+    probe = KVGeometry(1, 1, 64, 16, "uint8" if itemsize_one else "bfloat16")
+    resolve_codec(settings.warm_codec, probe, "warm")
+    resolve_codec(settings.cold_codec, probe, "cold")
 
 
 def _check_model(model: str, extra_args: Sequence[str]) -> None:

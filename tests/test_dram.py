@@ -81,7 +81,7 @@ def test_bad_slot_size_raises(slot):
     ops=st.lists(st.tuples(st.booleans(), st.integers(min_value=0, max_value=10**6)), max_size=200),
 )
 def test_allocator_property(capacity, slot, ops):
-    if capacity < round_up(slot):
+    if capacity < slot_size(slot):
         with pytest.raises(CapacityError):
             SlotAllocator(capacity, slot)
         return

@@ -95,7 +95,7 @@ def test_dry_run_command_and_connector_config(env, model_dir, tmp_path):
     assert extra["nvme_dir"] == str(tmp_path / "cold")
     assert extra["model_id"] == "tiny-llama"
     assert set(extra) == {"dram_bytes", "nvme_dir", "nvme_bytes", "policy", "high_watermark",
-                          "low_watermark", "io_threads", "direct_io", "model_id"}
+                          "low_watermark", "io_threads", "direct_io", "warm_codec", "cold_codec", "model_id"}
     assert json.loads(result.stdout.split("kv-transfer-config:\n", 1)[1].rsplit("\nAPI", 1)[0]) == config
     assert "--kv-cache-dtype" not in cmd
     assert not (tmp_path / "cold").exists()  # a dry run creates nothing

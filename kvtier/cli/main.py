@@ -59,6 +59,10 @@ def serve(
     policy: Optional[str] = typer.Option(None, "--policy", help="Eviction policy: lru or arc."),
     kv_cache_dtype: Optional[str] = typer.Option(
         None, "--kv-cache-dtype", help="vLLM's KV cache dtype (auto, fp8, ...); passed through."),
+    warm_codec: Optional[str] = typer.Option(
+        None, "--warm-codec", help="Codec of the DRAM tier: none, fp8, int8, int4, int4-lc (default none)."),
+    cold_codec: Optional[str] = typer.Option(
+        None, "--cold-codec", help="Codec of the NVMe tier, e.g. fp8+zstd or int4-lc (default none)."),
     demo_size: str = typer.Option("tiny", "--demo-size", help="Demo model size when no MODEL: tiny or mid."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check, print the vLLM command, start nothing."),
 ) -> None:
@@ -78,8 +82,10 @@ def serve(
         model = None
     if demo_size not in srv.DEMO_SIZES:
         raise UsageError(f"unknown --demo-size {demo_size!r}", hint=f"choose one of: {', '.join(srv.DEMO_SIZES)}")
-    settings, _sources = load_settings(flags={"dram": dram, "nvme_dir": nvme_dir, "nvme": nvme, "policy": policy})
-    for warning in srv.preflight(settings, model, host=host, port=port, create_dirs=not dry_run, extra_args=extra):
+    settings, _sources = load_settings(flags={"dram": dram, "nvme_dir": nvme_dir, "nvme": nvme, "policy": policy,
+                                              "warm_codec": warm_codec, "cold_codec": cold_codec})
+    for warning in srv.preflight(settings, model, host=host, port=port, create_dirs=not dry_run, extra_args=extra,
+                                 kv_cache_dtype=kv_cache_dtype):
         typer.echo(f"warning: {warning}", err=True)
 
     if model is None:
@@ -113,6 +119,13 @@ def serve(
 
 
 # ---- bench --------------------------------------------------------------------------------------
+def _check_bench_dir(directory: Optional[Path]) -> None:
+    if directory is not None and not directory.is_dir():
+        from kvtier.errors import UsageError
+
+        raise UsageError(f"{directory} is not a directory", hint="pass --dir an existing directory on the disk to test")
+
+
 @bench_app.command("tiers")
 @handle_errors
 def bench_tiers(
@@ -123,10 +136,7 @@ def bench_tiers(
     """DRAM, NVMe, snapshot and index speed vs memcpy / raw direct IO."""
     from kvtier.bench.tiers import TIERS_KEYS, run_tiers_bench
 
-    if directory is not None and not directory.is_dir():
-        from kvtier.errors import UsageError
-
-        raise UsageError(f"{directory} is not a directory", hint="pass --dir an existing directory on the disk to test")
+    _check_bench_dir(directory)
     results = run_tiers_bench(quick=quick, directory=str(directory) if directory else None,
                               progress=bench_progress(json_out))
     emit_bench("kvtier bench tiers", TIERS_KEYS, results, json_out)
@@ -147,6 +157,71 @@ def bench_serve(
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
         results = run_serve_bench(quick=quick, progress=bench_progress(json_out))
     emit_bench("kvtier bench serve", SERVE_KEYS, results, json_out)
+
+
+@bench_app.command("codecs")
+@handle_errors
+def bench_codecs(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quick: bool = typer.Option(False, "--quick", help="Fewer blocks and repetitions."),
+    directory: Optional[Path] = typer.Option(None, "--dir", help="Where the NVMe files go (default: the current dir)."),
+) -> None:
+    """Codec encode/decode throughput vs memcpy, and NVMe restore per cold codec vs raw direct IO."""
+    from kvtier.bench.codecs import codec_keys, run_codecs_bench
+
+    _check_bench_dir(directory)
+    results = run_codecs_bench(quick=quick, directory=str(directory) if directory else None,
+                               progress=bench_progress(json_out))
+    emit_bench("kvtier bench codecs", codec_keys(), results, json_out)
+
+
+QUALITY_KEYS = ("size_ratio", "top1_agreement", "kl", "needle_acc_128k", "rel_mse_k", "rel_mse_v")
+
+
+@bench_app.command("quality")
+@handle_errors
+def bench_quality(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object: one entry per codec."),
+    quick: bool = typer.Option(False, "--quick", help="Needles up to 16k keys, fewer trials and prompts."),
+    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include the real-vLLM figures (top-1, KL)."),
+) -> None:
+    """Codec quality: reconstruction error, needle retrieval up to 128k keys, top-1 and KL via vLLM."""
+    import contextlib
+    import sys
+
+    from kvtier.bench.quality import QUALITY_CODECS, run_quality_harness
+
+    progress = bench_progress(json_out)
+    captured, per_codec, context = None, {}, {}
+    if vllm:
+        from kvtier.plugins.vllm.bench_quality import run_vllm_quality
+
+        with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
+            out = run_vllm_quality(QUALITY_CODECS, quick=quick, progress=progress)
+        captured, per_codec = out["captured"], out["per_codec"]
+        context = {k: v for k, v in out.items() if k.startswith("_")}
+    results = run_quality_harness(quick=quick, captured=captured, progress=progress)
+    for spec, entry in results.items():
+        entry.update(per_codec.get(spec, {}))
+        if spec == "none":
+            entry.update(top1_agreement=1.0, kl=0.0)
+        entry["_kv_source"] = "demo model via vLLM" if captured is not None else "synthetic"
+    ordered = {spec: {**{k: entry.get(k) for k in QUALITY_KEYS}, **{k: v for k, v in entry.items()
+                                                                      if k not in QUALITY_KEYS}}
+               for spec, entry in results.items()}
+    if json_out:
+        emit_json(ordered)
+        return
+    columns = ["codec", *QUALITY_KEYS, "attn_err"] + [k for k in next(iter(ordered.values()))
+                                                     if k.startswith("needle_acc") and k != "needle_acc_128k"]
+
+    def fmt(value):
+        return "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
+
+    print_table("kvtier bench quality", columns,
+                [(spec, *[fmt(entry.get(c)) for c in columns[1:]]) for spec, entry in ordered.items()])
+    if context:
+        typer.echo(", ".join(f"{k.lstrip('_')}={v}" for k, v in context.items()))
 
 
 @app.command("demo")

@@ -98,7 +98,7 @@ def resolve_codec(spec: str, geometry: "KVGeometry", tier: str = "warm") -> str:
         if base.startswith("fp8"):
             return "none" + ("+" + lossless if lossless else "")
         raise ConfigError(
-            f"{tier} codec {base} needs a 16-bit KV cache, but this engine's KV cache is {geometry.dtype}",
+            f"{tier} codec {base} needs a 16-bit KV cache, but this engine's KV cache is 8-bit (fp8)",
             hint=f"with --kv-cache-dtype fp8, use --{tier}-codec none or fp8 (fp8 blocks are stored as they are)",
         )
     if geometry.itemsize > 1 and base.startswith("int4") and geometry.head_dim % 2:

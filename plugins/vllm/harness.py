@@ -34,20 +34,22 @@ class Engine:
     """One vLLM engine; with ``kvtier=True`` it runs the KVTierConnector (synchronous IO)."""
 
     def __init__(self, model: str, kvtier: bool, nvme_dir: str | Path | None = None, dram_bytes: int = 2 << 30,
-                 max_len: int = 16384 + 256, max_batched: int = 2048, model_id: str | None = None):
+                 max_len: int = 16384 + 256, max_batched: int = 2048, model_id: str | None = None,
+                 max_logprobs: int = 20, extra: dict | None = None):
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
         kwargs: dict[str, Any] = {}
         if kvtier:
-            extra = {"dram_bytes": dram_bytes, "model_id": model_id or Path(model).name, "synchronous": True}
+            config = {"dram_bytes": dram_bytes, "model_id": model_id or Path(model).name, "synchronous": True}
             if nvme_dir is not None:
-                extra.update(nvme_dir=str(nvme_dir), nvme_bytes=64 << 30)
+                config.update(nvme_dir=str(nvme_dir), nvme_bytes=64 << 30)
+            config.update(extra or {})
             kwargs["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
-                kv_connector_extra_config=extra)
+                kv_connector_extra_config=config)
         self.llm = LLM(model=model, dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=max_batched,
-                       enforce_eager=True, enable_prefix_caching=True, seed=0, **kwargs)
+                       enforce_eager=True, enable_prefix_caching=True, seed=0, max_logprobs=max_logprobs, **kwargs)
 
     @property
     def connector(self):
@@ -57,11 +59,11 @@ class Engine:
     def manager(self):
         return self.connector.manager
 
-    def generate(self, prompt_ids: Sequence[int], max_tokens: int = 1):
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int = 1, logprobs: int | None = None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
         return self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)[0]
 
     def timed(self, prompt_ids: Sequence[int], max_tokens: int = 1) -> tuple[float, Any]:
