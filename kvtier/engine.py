@@ -63,6 +63,7 @@ class TierEngine:
             return None
         result = self.mover.run(job)
         self.manager.complete(result)
+        self.mover.forget_slots(self.manager.slots.drain_freed())
         return result
 
     def maintain(self, force: bool = False) -> None:
@@ -117,7 +118,11 @@ class TierEngine:
 
         return self.execute(self.manager.prepare_restore(open_snapshot(path), tier))
 
-    def close(self) -> None:
+    def close(self, write_back: bool = True) -> None:
+        """Stop; with ``write_back``, DRAM-only blocks go to the NVMe tier first (a restart finds them)."""
         self.mover.close()
+        if write_back:
+            self.mover.forget_slots(self.manager.slots.drain_freed())
+            self.mover.write_back(self.manager.cold_codec)
         if self.nvme is not None:
             self.nvme.close()

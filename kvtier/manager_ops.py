@@ -247,13 +247,28 @@ class SessionOps:
             return "cold"
         return "gone"
 
+    def tokens_per_gib(self: "TierManager") -> dict[str, int]:
+        """How many tokens of KV one GiB holds in each tier, with its codec (HBM: vLLM's KV dtype)."""
+        geometry = self.geometry
+        cold = get_codec(self.cold_codec)
+        on_disk = cold.nbytes_for(geometry)
+        if on_disk is None:  # zstd: the average of what is stored, else the worst case
+            in_nvme = (self.index.col["flags"] & IN_NVME) != 0
+            on_disk = int(self.index.col["nvme_nbytes"][in_nvme].mean()) if in_nvme.any() else cold.max_bytes(geometry)
+        per_block = {"hbm": geometry.block_bytes, "dram": self.slots.slot_bytes, "nvme": file_bytes_for(on_disk)}
+        return {tier: int((1 << 30) * geometry.block_tokens // size) for tier, size in per_block.items()}
+
     def stats(self: "TierManager") -> dict[str, Any]:
+        capacity = self.tokens_per_gib()
         return {
             "fingerprint": self.fingerprint.to_dict(),
+            "hbm": {"kv_dtype": self.geometry.dtype, "tokens_per_gib": capacity["hbm"]},
             "dram": {"used_bytes": self.slots.used_bytes, "capacity_bytes": self.slots.capacity_bytes,
-                     "blocks": int(((self.index.col["flags"] & IN_DRAM) != 0).sum())},
+                     "blocks": int(((self.index.col["flags"] & IN_DRAM) != 0).sum()),
+                     "codec": self.warm_codec, "tokens_per_gib": capacity["dram"]},
             "nvme": {"used_bytes": self._nvme_used, "capacity_bytes": self.nvme_capacity,
-                     "blocks": int(((self.index.col["flags"] & IN_NVME) != 0).sum())},
+                     "blocks": int(((self.index.col["flags"] & IN_NVME) != 0).sum()),
+                     "codec": self.cold_codec, "tokens_per_gib": capacity["nvme"]},
             "sessions": len(self.sessions),
             "jobs_in_flight": len(self.jobs),
             "counters": dict(self.counters),

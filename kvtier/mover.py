@@ -54,6 +54,9 @@ class Mover:
         self.adapter = adapter
         self.kv_layers = list(kv_layers) if kv_layers is not None else None
         self.link_bytes: Counter[str] = Counter()
+        # what each DRAM slot holds, as far as this worker wrote it: (namespace, key, nbytes, codec,
+        # first); the manager's freed slots are forgotten (forget_slots) so a dropped block stays dropped
+        self.slot_owner: dict[int, tuple[bytes, bytes, int, str, bool]] = {}
         self._lock = threading.Lock()
         self._results: queue.Queue[JobResult] = queue.Queue()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-mover")
@@ -142,6 +145,43 @@ class Mover:
         geometry = self.fingerprint.geometry
         return raw[: geometry.block_bytes].view(getattr(torch, geometry.dtype)).view(1, *geometry.block_shape)
 
+    def _own(self, move: BlockMove) -> None:
+        self.slot_owner[move.dram_slot] = (move.namespace, move.key, move.nbytes, move.codec, move.first)
+
+    def forget_slots(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.slot_owner.pop(slot, None)
+
+    def write_back(self, cold_codec: str = "none") -> int:
+        """Clean shutdown: write every DRAM block that has no NVMe copy to the NVMe tier, so a
+        restart finds it. Stops quietly when the tier is full. Returns the blocks written."""
+        if self.store is None:
+            return 0
+        from kvtier.errors import CapacityError, StorageFullError
+
+        written = 0
+        for slot, (namespace, key, nbytes, codec, first) in sorted(self.slot_owner.items()):
+            if self.store.has(namespace, key):
+                continue
+            move = BlockMove(row=-1, namespace=namespace, key=key, dram_slot=slot, nbytes=nbytes, codec=codec,
+                             first=first, to_codec="" if codec == cold_codec else cold_codec)
+            payload = self.arena.slot(slot, nbytes)
+            try:
+                if move.to_codec:
+                    payload = self._transcoded(move, payload)
+                self.store.write(namespace, key, payload, self.fingerprint.digest, move.codec, sync_dir=False)
+            except (CapacityError, StorageFullError) as exc:
+                log.warning("kvtier: write-back stopped after %d blocks: %s", written, exc)
+                break
+            except (KvtierError, OSError) as exc:  # one bad block must not cost the others
+                log.warning("kvtier: write-back of block %s failed: %s", key.hex()[:16], exc)
+                continue
+            written += 1
+        self.store.sync_dirs()
+        if written:
+            log.info("kvtier: wrote %d DRAM-only blocks to the NVMe tier before shutting down", written)
+        return written
+
     @staticmethod
     def _note(result: JobResult, index: int, move: BlockMove) -> None:
         """Report what was written for one move (the manager may run in another process)."""
@@ -153,6 +193,7 @@ class Mover:
         if self._stream is None and plain:  # CPU: gather each block straight into its DRAM slot
             for move in job.moves:
                 self.adapter.gather(self.kv_layers, [move.device_block], self._as_block(self.arena.slot(move.dram_slot)))
+                self._own(move)
                 self._count("hbm->dram", move.nbytes, result)
             return
         staging = self._staging(len(job.moves))  # one gather, then per block: encode (and D2H)
@@ -172,6 +213,7 @@ class Mover:
                     move.nbytes = codec.encode(staging[i], scratch, first=move.first)
                     self.arena.slot(move.dram_slot, move.nbytes).copy_(scratch[: move.nbytes], non_blocking=True)
                 self._note(result, i, move)
+                self._own(move)
                 self._count("hbm->dram", move.nbytes, result)
             self._sync()
 
@@ -249,6 +291,8 @@ class Mover:
                 targets[i] = self.arena.slot(move.dram_slot)
             sizes[i] = move.nbytes
             self._note(result, i, move)
+            if move.dram_slot >= 0:
+                self._own(move)
         result.failed.sort()
         return targets
 
@@ -348,9 +392,11 @@ class Mover:
                                         self.fingerprint.geometry, self.arena.slot(move.dram_slot), first=move.first)
                 move.codec = move.to_codec
                 self._note(result, i, move)
+                self._own(move)
                 self._count("snapshot->dram", len(payload), result)
             else:
                 self.arena.slot(move.dram_slot, len(payload)).numpy()[:] = np.frombuffer(payload, np.uint8)
+                self._own(move)
                 self._count("snapshot->dram", len(payload), result)
         self._collect_writes([f for _, f in writes], [job.moves[i] for i, _ in writes], result, "snapshot->nvme")
         result.failed = [writes[k][0] for k in result.failed]

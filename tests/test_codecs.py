@@ -307,3 +307,17 @@ def test_unknown_codec_in_settings_is_refused(fingerprint, hbm, tmp_path):
     with pytest.raises(ConfigError):
         make_engine(fingerprint, hbm, tmp_path, warm_codec="int2")
     assert os.listdir(tmp_path) in ([], ["nvme"])
+
+
+def test_stats_report_tokens_per_gib_per_tier():
+    from kvtier.manager import TierManager
+
+    mid = ModelFingerprint("mid", KVGeometry(16, 4, 64, 128, "bfloat16"))  # 2 MiB blocks
+    plain = TierManager(mid, 1 << 30, 1 << 34).stats()
+    packed = TierManager(mid, 1 << 30, 1 << 34, warm_codec="fp8", cold_codec="int4").stats()
+    assert plain["dram"]["tokens_per_gib"] == plain["hbm"]["tokens_per_gib"] == 65536  # 16 KiB per token
+    assert packed["dram"]["codec"] == "fp8" and packed["nvme"]["codec"] == "int4"
+    assert packed["dram"]["tokens_per_gib"] >= 1.9 * plain["dram"]["tokens_per_gib"]
+    assert packed["nvme"]["tokens_per_gib"] >= 3.3 * plain["nvme"]["tokens_per_gib"]
+    fp8_cache = TierManager(ModelFingerprint("mid", KVGeometry(16, 4, 64, 128, "uint8")), 1 << 30).stats()
+    assert fp8_cache["hbm"]["tokens_per_gib"] == 2 * plain["hbm"]["tokens_per_gib"]  # vLLM's fp8 KV

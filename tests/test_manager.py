@@ -293,3 +293,30 @@ def test_index_memory_accounting_matches_tracemalloc():
     tracemalloc.stop()
     assert abs(index.memory_bytes() - traced) / traced < 0.15
     assert index.memory_bytes() / n < 256
+
+
+def test_clean_shutdown_writes_dram_only_blocks_back(fingerprint, hbm, tmp_path, policy):
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, policy=policy)
+    ns = namespace_of(fingerprint.digest)
+    kept, dropped = session_keys(1, 4), session_keys(2, 2)
+    engine.store("kept", ns, kept, [0, 1, 2, 3])
+    engine.store("dropped", ns, dropped, [4, 5])
+    engine.evict("dropped", None)  # the operator dropped it: it must stay dropped
+    assert where(engine, ns, kept) == ["D"] * 4  # DRAM only, nothing on disk yet
+    reference = [layer.clone() for layer in hbm]
+    engine.close()
+    restarted = make_engine(fingerprint, hbm, tmp_path, policy=policy)
+    assert where(restarted, ns, kept) == ["N"] * 4
+    assert restarted.manager.lookup(ns, dropped) == []
+    assert restarted.load(ns, kept, [30, 31, 32, 33]) == 4
+    assert blocks_equal(hbm, [30, 31, 32, 33], reference, [0, 1, 2, 3])
+
+
+def test_write_back_stops_quietly_when_nvme_is_full(fingerprint, hbm, tmp_path):
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, nvme_blocks=2)
+    ns = namespace_of(fingerprint.digest)
+    keys = session_keys(3, 5)
+    engine.store("s", ns, keys, [0, 1, 2, 3, 4])
+    engine.close()  # room for 2 of the 5 blocks: those are written, no error
+    restarted = make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, nvme_blocks=2)
+    assert sum(flag == "N" for flag in where(restarted, ns, keys)) == 2

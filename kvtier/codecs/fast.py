@@ -70,27 +70,29 @@ def _compile() -> dict[str, Any]:
                 out[r, j] = to_bf16(np.float32(q[r, j]) * s, tmp)
 
     @njit(parallel=True, cache=True)
-    def int4_dec(kq, vq, kmin, kscale, vmin, vscale, out, L, H, B, D, gk, gv):  # pragma: no cover
-        nk = B // gk
-        nv = D // gv
+    def int4_dec(kq, vq, klut, vlut, o_idx, o_val, out):  # pragma: no cover - compiled
+        # out: [L, H, 2, B, D] as 16-bit words; klut: [L, H, B/gk, D, 16]; vlut: [L, H, B, D/gv, 16]
+        L, H, _, B, D = out.shape
+        gk = B // klut.shape[2]
+        gv = D // vlut.shape[3]
+        n_out = o_idx.shape[2]
         for lh in prange(L * H):
-            tmp = np.empty(1, np.float32)
             l = lh // H
             h = lh % H
             base = lh * B * D
             for b in range(B):
-                g = (lh * nk + b // gk) * D
-                for d in range(D):
-                    i = base + b * D + d
-                    byte = kq[i >> 1]
-                    c = (byte >> 4) if (i & 1) else (byte & 15)
-                    out[l, h, 0, b, d] = to_bf16(np.float32(c) * kscale[g + d] + kmin[g + d], tmp)
-                for d in range(D):
-                    i = base + b * D + d
-                    byte = vq[i >> 1]
-                    c = (byte >> 4) if (i & 1) else (byte & 15)
-                    gi = (lh * B + b) * nv + d // gv
-                    out[l, h, 1, b, d] = to_bf16(np.float32(c) * vscale[gi] + vmin[gi], tmp)
+                g = b // gk
+                row = base + b * D
+                for j in range(D // 2):
+                    byte = kq[(row >> 1) + j]
+                    out[l, h, 0, b, 2 * j] = klut[l, h, g, 2 * j, byte & 15]
+                    out[l, h, 0, b, 2 * j + 1] = klut[l, h, g, 2 * j + 1, byte >> 4]
+                for j in range(D // 2):
+                    byte = vq[(row >> 1) + j]
+                    out[l, h, 1, b, 2 * j] = vlut[l, h, b, (2 * j) // gv, byte & 15]
+                    out[l, h, 1, b, 2 * j + 1] = vlut[l, h, b, (2 * j + 1) // gv, byte >> 4]
+                for o in range(n_out):
+                    out[l, h, 0, b, o_idx[l, h, o]] = o_val[l, h, b, o]
 
     return {"fp8_lut": fp8_lut, "int8": int8_dec, "int4": int4_dec}
 
@@ -137,16 +139,31 @@ def int8_decode(q: "torch.Tensor", scale: "torch.Tensor", out: "torch.Tensor") -
     return True
 
 
-def int4_decode(kq: "torch.Tensor", vq: "torch.Tensor", parts: dict, out: "torch.Tensor", gk: int, gv: int) -> bool:
+def int4_decode(kq: "torch.Tensor", vq: "torch.Tensor", parts: dict, out: "torch.Tensor", gk: int, gv: int,
+                outliers: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> bool:
+    """Nibbles -> 16-bit values through per-group tables of the 16 levels, built by torch with the
+    reference's float32 arithmetic (so the bits match it); outlier key channels written last."""
     import torch
 
-    if not _applies(out) or kq.device.type != "cpu":
+    if not (out.device.type == "cpu" and out.element_size() == 2 and out.dtype.is_floating_point
+            and out.is_contiguous() and kq.device.type == "cpu"):
         return False
     kernels = _load()
     if kernels is None:
         return False
     L, H, _, B, D = out.shape
-    f32 = {name: t.float().numpy() for name, t in parts.items()}
-    kernels["int4"](kq.numpy(), vq.numpy(), f32["k_min"], f32["k_scale"], f32["v_min"], f32["v_scale"],
-                    out.view(torch.uint16).numpy(), L, H, B, D, gk, gv)
+    levels = torch.arange(16, dtype=torch.float32)
+    kscale = parts["k_scale"].view(L, H, B // gk, D, 1).float()
+    kmin = parts["k_min"].view(L, H, B // gk, D, 1).float()
+    klut = (levels * kscale + kmin).to(out.dtype).view(torch.int16)
+    vscale = parts["v_scale"].view(L, H, B, D // gv, 1).float()
+    vmin = parts["v_min"].view(L, H, B, D // gv, 1).float()
+    vlut = (levels * vscale + vmin).to(out.dtype).view(torch.int16)
+    if outliers is None:
+        o_idx = torch.zeros((L, H, 0), dtype=torch.uint8)
+        o_val = torch.zeros((L, H, B, 0), dtype=torch.int16)
+    else:
+        o_idx, o_val = outliers[0], outliers[1].view(torch.int16)
+    kernels["int4"](kq.numpy(), vq.numpy(), klut.numpy(), vlut.numpy(), o_idx.numpy(), o_val.numpy(),
+                    out.view(torch.int16).numpy())
     return True

@@ -286,19 +286,24 @@ class Int4(Codec):
         gk, gv = self._groups(geometry)
         parts = {name: layout.view(payload, name, torch.float16) for name in ("k_min", "k_scale", "v_min", "v_scale")}
         kq, vq = layout.view(payload, "k_q", torch.uint8), layout.view(payload, "v_q", torch.uint8)
-        if not fast.int4_decode(kq, vq, parts, out, gk, gv):
+        outliers = None
+        if self.long_context:
+            o_idx = layout.view(payload, "o_idx", torch.uint8).view(L, H, o)
+            if int(o_idx.max()) >= D:
+                raise CorruptBlockError(f"codec {self.spec}: outlier channel index out of range")
+            outliers = (o_idx, layout.view(payload, "o_val", out.dtype).view(L, H, B, o))
+        if fast.int4_decode(kq, vq, parts, out, gk, gv, outliers):
+            outliers = None  # written by the kernel
+        else:
             k = self._unpack(kq).view(L, H, B // gk, gk, D).float()
             k = k * parts["k_scale"].view(L, H, B // gk, 1, D).float() + parts["k_min"].view(L, H, B // gk, 1, D).float()
             v = self._unpack(vq).view(L, H, B, D // gv, gv).float()
             v = v * parts["v_scale"].view(L, H, B, D // gv, 1).float() + parts["v_min"].view(L, H, B, D // gv, 1).float()
             out[:, :, 0].copy_(k.view(L, H, B, D))
             out[:, :, 1].copy_(v.view(L, H, B, D))
-        if self.long_context:
-            idx = layout.view(payload, "o_idx", torch.uint8).view(L, H, 1, o).long().expand(L, H, B, o)
-            vals = layout.view(payload, "o_val", out.dtype).view(L, H, B, o)
-            if int(idx.max()) >= D:
-                raise CorruptBlockError(f"codec {self.spec}: outlier channel index out of range")
-            out[:, :, 0].scatter_(-1, idx, vals)
+        if outliers is not None:
+            idx = outliers[0].view(L, H, 1, o).long().expand(L, H, B, o)
+            out[:, :, 0].scatter_(-1, idx, outliers[1])
         if sink:
             out[:, :, :, :s].copy_(layout.view(payload, "sink", out.dtype).view(L, H, 2, s, D))
 

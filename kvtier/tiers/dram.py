@@ -53,6 +53,7 @@ class SlotAllocator:
         # A stack: the most recently freed slot is reused first (it is warm in the CPU caches).
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._used = bytearray(self.num_slots)
+        self.freed: list[int] = []  # slots released since the last drain (the worker forgets them)
 
     @property
     def capacity_bytes(self) -> int:
@@ -83,6 +84,11 @@ class SlotAllocator:
             raise ValueError(f"DRAM slot {slot} is not allocated")
         self._used[slot] = 0
         self._free.append(slot)
+        self.freed.append(slot)
+
+    def drain_freed(self) -> list[int]:
+        freed, self.freed = self.freed, []
+        return freed
 
 
 class DramArena:

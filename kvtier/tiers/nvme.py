@@ -288,6 +288,9 @@ class NvmeStore:
                 os.close(fd)
 
     # ---- read -------------------------------------------------------------------------------
+    def has(self, namespace: bytes, key: bytes) -> bool:
+        return (namespace, key) in self._sizes
+
     def read_into(self, namespace: bytes, key: bytes, dst: "torch.Tensor", fingerprint: bytes) -> tuple[int, str]:
         """Read and verify one block into ``dst`` (uint8, contiguous); returns (nbytes, codec)."""
         stored = self._sizes.get((namespace, key))

@@ -31,6 +31,7 @@ __all__ = ["KVTierConnector", "KVTierMetadata", "KVTierWorkerMetadata"]
 class KVTierMetadata(KVConnectorMetadata):
     jobs: list[Job] = field(default_factory=list)
     missing_blocks: list[int] = field(default_factory=list)  # promised but unloadable: load errors
+    freed_slots: list[int] = field(default_factory=list)  # DRAM slots the manager released
 
 
 @dataclass
@@ -75,7 +76,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         jobs, missing = self._scheduler.build_jobs(scheduler_output)
-        return KVTierMetadata(jobs=jobs, missing_blocks=missing)
+        return KVTierMetadata(jobs=jobs, missing_blocks=missing, freed_slots=self.manager.slots.drain_freed())
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -92,6 +93,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
+        self._worker.apply(meta)
         self._worker.start_load_kv(meta.jobs, meta.missing_blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -103,6 +105,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
+        self._worker.apply(meta)
         self._worker.wait_for_save(meta.jobs)
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:

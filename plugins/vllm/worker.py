@@ -41,6 +41,7 @@ class KVTierWorker:
         self.nvme: NvmeStore | None = None
         self._results: list[JobResult] = []
         self._load_errors: set[int] = set()
+        self._applied = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = sorted(kv_caches, key=_layer_index)
@@ -58,6 +59,13 @@ class KVTierWorker:
         self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers)
         log.info("kvtier worker: %d KV layers (%s layout), DRAM arena %d MiB%s", len(layers), adapter.name,
                  arena.buffer.numel() >> 20, " (pinned)" if arena.pinned else "")
+
+    def apply(self, meta) -> None:
+        """Once per step, before its jobs: forget the DRAM slots the manager released."""
+        if meta is self._applied or self.mover is None:
+            return
+        self._applied = meta
+        self.mover.forget_slots(meta.freed_slots)
 
     def start_load_kv(self, jobs: list[Job], missing: list[int]) -> None:
         self._load_errors.update(missing)
@@ -94,5 +102,8 @@ class KVTierWorker:
     def shutdown(self) -> None:
         if self.mover is not None:
             self.mover.close()
+            if self.nvme is not None:  # keep DRAM-only blocks across the restart
+                cold = resolve_codec(str(self.extra.get("cold_codec", "none")), self.fingerprint.geometry, "cold")
+                self.mover.write_back(cold)
         if self.nvme is not None:
             self.nvme.close()
