@@ -263,14 +263,14 @@ class Mover:
 
     def _read_from_nvme(self, job: Job, result: JobResult) -> dict[int, "torch.Tensor"]:
         """Read the job's NVMe blocks (into their DRAM slot, or a buffer of their own)."""
-        import torch
-
         reads = [(i, m) for i, m in enumerate(job.moves) if m.from_nvme]
         if not reads:
             return {}
         store = self._need_store()
+        from kvtier.tiers.dram import aligned_empty
+
         targets = {i: self.arena.slot(m.dram_slot) if m.dram_slot >= 0 and not m.to_codec
-                   else torch.empty(max(self.arena.slot_bytes, m.nbytes), dtype=torch.uint8) for i, m in reads}
+                   else aligned_empty(max(self.arena.slot_bytes, m.nbytes)) for i, m in reads}
         futures = {i: store.submit_read(m.namespace, m.key, targets[i], self.fingerprint.digest) for i, m in reads}
         sizes = result.extra.setdefault("nbytes", {})
         for i, future in futures.items():

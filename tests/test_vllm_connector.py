@@ -152,13 +152,44 @@ def test_evicted_to_nvme_loads_back_and_survives_a_restart(tiny_model, tmp_path)
     assert same_output(plain, tiered)
     assert scheduler_connector(llm).manager.counters["hit_nvme_blocks"] > 0
     close(llm)
-    # a new engine on the same NVMe directory: the cold tier still serves the conversation (the
-    # blocks the follow-up added went to DRAM only, which a restart empties)
+    # a new engine on the same NVMe directory: the cold tier still serves the conversation, and
+    # the follow-up's own blocks (DRAM only when the engine stopped) were written back at shutdown
     restarted = make_llm(str(tiny_model), nvme_dir=nvme)
     again = run(restarted, follow_up)
-    assert again.num_cached_tokens == plain.num_cached_tokens
-    assert same_output(plain, again)
+    assert again.num_cached_tokens == (len(follow_up) - 1) // BLOCK * BLOCK > plain.num_cached_tokens
+    assert list(again.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
     close(restarted)
+
+
+def test_aborted_request_leaves_nothing_pending(tiny_model, tmp_path):
+    # a 3000-token prompt prefilled in 512-token chunks, aborted after two chunks
+    from vllm.inputs import TokensPrompt
+
+    prompt = prompt_of(21, 3000)
+    plain = baseline(tiny_model, [prompt])[0]
+    llm = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme", max_batched=512)
+    engine = llm.llm_engine
+    engine.add_request("victim", TokensPrompt(prompt_token_ids=prompt), GREEDY)
+    engine.step()
+    engine.step()
+    engine.abort_request(["victim"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    run(llm, prompt_of(98, 40))  # one more step for the worker's last results
+    manager = scheduler_connector(llm).manager
+    from kvtier.index import PENDING
+
+    assert not manager.jobs  # every job the aborted request caused has completed
+    assert (manager.index.col["refs"] == 0).all()
+    assert not (manager.index.col["flags"] & PENDING).any()
+    stored = manager.counters["stored_blocks"]
+    assert 4 <= stored < 3000 // BLOCK  # the two chunks it computed, and no more
+    # the same prompt again: the aborted request's blocks are reused, the output is unchanged
+    llm.reset_prefix_cache()
+    again = run(llm, prompt)
+    assert again.num_cached_tokens >= 4 * BLOCK
+    assert list(again.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+    close(llm)
 
 
 def test_corrupt_block_on_disk_is_recomputed(tiny_model, tmp_path):

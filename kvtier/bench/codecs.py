@@ -95,7 +95,10 @@ def _restore(spec: str, payloads, sizes, directory: Path, raw: RawDirectIO, reps
                    for i, k in enumerate(keys)]:
         future.result()
     store.sync_dirs()
-    buffers = torch.empty((n, payloads.shape[1] + 4096), dtype=torch.uint8)
+    from kvtier.tiers.dram import aligned_empty
+
+    per = (payloads.shape[1] + 8191) // 4096 * 4096
+    buffers = aligned_empty(n * per).view(n, per)  # page-aligned: O_DIRECT reads land in place
     out = torch.empty((n, *geometry.block_shape), dtype=torch.bfloat16)
 
     def restore():

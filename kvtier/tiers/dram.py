@@ -145,6 +145,15 @@ def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
     return t.reshape(-1).view(torch.uint8)
 
 
+def aligned_empty(nbytes: int) -> "torch.Tensor":
+    """A page-aligned uint8 buffer of ``nbytes`` (rounded up to a page), so O_DIRECT reads land in
+    it without a bounce copy."""
+    padded = round_up(nbytes)
+    raw = _allocate(padded + PAGE, pin=False)
+    shift = (-raw.data_ptr()) % PAGE
+    return raw[shift : shift + padded]
+
+
 def _allocate(size: int, pin: bool) -> "torch.Tensor":
     import torch
 
