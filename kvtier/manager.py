@@ -367,3 +367,4 @@ class TierManager(SessionOps):
         }[job.kind]
         handler(job, result)
         self.counters[f"jobs_{job.kind.value}_{'ok' if result.ok else 'failed'}"] += 1
+        self.counters[f"bytes_{job.kind.value}"] += result.bytes_moved

@@ -68,8 +68,12 @@ Say = Callable[[str], None]
 
 
 # ---- connector config ------------------------------------------------------------------------
-def build_kv_transfer_config(settings: Settings, model_id: str) -> dict:
+def build_kv_transfer_config(settings: Settings, model_id: str, api_url: str | None = None,
+                             admin_socket: str | None = None) -> dict:
     """The ``--kv-transfer-config`` object: which connector to load and the settings it reads."""
+    admin = {"admin_socket": admin_socket, "snapshot_dir": str(settings.snapshot_dir)} if admin_socket else {}
+    if api_url:
+        admin["api_url"] = api_url
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -87,6 +91,7 @@ def build_kv_transfer_config(settings: Settings, model_id: str) -> dict:
             "warm_codec": settings.warm_codec,
             "cold_codec": settings.cold_codec,
             "model_id": model_id,
+            **admin,
         },
     }
 
@@ -350,7 +355,8 @@ def vllm_command(
         if flag in _OWNED_FLAGS:
             raise UsageError(f"{flag} is set by kvtier serve; do not pass it after `--`",
                              hint=f"use kvtier's own {_OWNED_FLAGS[flag]} instead")
-    config = build_kv_transfer_config(settings, model_id_for(model_path, extra))
+    config = build_kv_transfer_config(settings, model_id_for(model_path, extra), api_url(host, port),
+                                      admin_socket_path(base_env))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_path), "--host", host, "--port", str(port),
            "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
@@ -432,7 +438,7 @@ def run_server(
     stop_polling = threading.Event()
     deadline: list[float] = []
     say(f"API: {url}")
-    say(f"admin socket: {admin_socket_hint} (admin API: coming soon)")
+    say(f"admin socket: {admin_socket_hint} (kvtier status / sessions / top find it without flags)")
     previous: dict[int, object] = {}
     child: subprocess.Popen | None = None
     pgid = 0

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperGroup
 
 from kvtier.cli.output import bench_progress, emit_bench, emit_json, handle_errors, human_bytes, print_table
 
@@ -21,8 +22,21 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks; every figure is a ratio against a same-process reference.",
                         no_args_is_help=True)
-snapshot_app = typer.Typer(help="Session snapshot files (offline tools work with no server).",
-                           no_args_is_help=True)
+class _SnapshotGroup(TyperGroup):
+    """``kvtier snapshot SESSION`` (take one, through the server) beside ``snapshot inspect|verify FILE``."""
+
+    def resolve_command(self, ctx, args):
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            return "take", self.commands["take"], args
+        return super().resolve_command(ctx, args)
+
+    def format_usage(self, ctx, formatter) -> None:
+        formatter.write_usage("kvtier snapshot", "SESSION [--out FILE] | inspect FILE | verify FILE")
+
+
+snapshot_app = typer.Typer(cls=_SnapshotGroup, no_args_is_help=True,
+                           help="kvtier snapshot SESSION [--out FILE]: save a session to a portable file "
+                                "(through the server). inspect / verify FILE work with no server.")
 config_app = typer.Typer(help="Settings: flag > KVTIER_* env > kvtier.toml > defaults.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 app.add_typer(snapshot_app, name="snapshot")
@@ -309,6 +323,11 @@ def config_show(json_out: bool = typer.Option(False, "--json", help="Print JSON.
         return
     print_table("kvtier settings", ["setting", "value", "source"],
                 [(key, value, sources[key]) for key, value in values.items()])
+
+
+from kvtier.cli.admin import register as _register_admin  # noqa: E402
+
+_register_admin(app, snapshot_app)
 
 
 def main() -> None:

@@ -55,19 +55,20 @@ def _compile() -> dict[str, Any]:
                     v = np.int16(v + add)
                 out[r, j] = v
 
-    @njit(inline="always")
-    def to_bf16(f, tmp):  # pragma: no cover - compiled
-        tmp[0] = f
-        u = tmp.view(np.uint32)[0]
-        return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
     @njit(parallel=True, cache=True)
     def int8_dec(q, scale, out):  # pragma: no cover - compiled
-        for r in prange(q.shape[0]):
-            tmp = np.empty(1, np.float32)
-            s = scale[r]
-            for j in range(q.shape[1]):
-                out[r, j] = to_bf16(np.float32(q[r, j]) * s, tmp)
+        rows, cols = q.shape
+        chunk = 256
+        for c in prange((rows + chunk - 1) // chunk):
+            tmp = np.empty(cols, np.float32)
+            bits = tmp.view(np.uint32)
+            for r in range(c * chunk, min(rows, (c + 1) * chunk)):
+                s = scale[r]
+                for j in range(cols):
+                    tmp[j] = np.float32(q[r, j]) * s
+                for j in range(cols):  # float32 -> bf16, round to nearest even (as torch)
+                    u = bits[j]
+                    out[r, j] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
     @njit(parallel=True, cache=True)
     def int4_dec(kq, vq, klut, vlut, o_idx, o_val, out):  # pragma: no cover - compiled

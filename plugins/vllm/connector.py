@@ -69,22 +69,27 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._scheduler.lock:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        with self._scheduler.lock:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        jobs, missing = self._scheduler.build_jobs(scheduler_output)
-        return KVTierMetadata(jobs=jobs, missing_blocks=missing, freed_slots=self.manager.slots.drain_freed())
+        with self._scheduler.lock:
+            jobs, missing = self._scheduler.build_jobs(scheduler_output)
+            return KVTierMetadata(jobs=jobs, missing_blocks=missing, freed_slots=self.manager.slots.drain_freed())
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVTierWorkerMetadata):
-            self._scheduler.complete(meta.results)
+            with self._scheduler.lock:
+                self._scheduler.complete(meta.results)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return False, self._scheduler.request_finished(request)
+        with self._scheduler.lock:
+            return False, self._scheduler.request_finished(request)
 
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -118,3 +123,5 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

@@ -16,7 +16,10 @@ Rules that follow from how vLLM's scheduler calls a connector (see docs/architec
 """
 from __future__ import annotations
 
+import json
 import logging
+import threading
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +84,59 @@ class KVTierScheduler:
         self._missing: list[int] = []  # HBM blocks promised but not loadable: load errors
         log.info("kvtier: %s, DRAM %d slots, NVMe %s (%d blocks found)", fingerprint.model_id,
                  self.manager.slots.num_slots, nvme_dir or "off", len(records))
+        # the admin API's threads and vLLM's engine thread share the manager through this lock
+        self.lock = threading.RLock()
+        self.ops = None
+        self.admin = None
+        self._api_url = extra.get("api_url")
+        self._waking = threading.Lock()
+        if extra.get("admin_socket"):
+            self._start_admin(extra)
+
+    # ---- admin API ------------------------------------------------------------------------------
+    def _start_admin(self, extra: dict) -> None:
+        from kvtier.control.server import AdminServer, Ops
+
+        info = {"model": self.fingerprint.model_id, "api_url": self._api_url, "kv_dtype": self.fingerprint.geometry.dtype,
+                "block_tokens": self.block_tokens}
+        self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, extra.get("snapshot_dir"), info,
+                       link_bytes=self.link_bytes)
+        tcp = None
+        if extra.get("admin_tcp"):
+            host, _, port = str(extra["admin_tcp"]).rpartition(":")
+            tcp = (host or "127.0.0.1", int(port))
+        try:
+            self.admin = AdminServer(self.ops, extra["admin_socket"], tcp, extra.get("admin_token")).start()
+        except Exception as exc:  # the engine still serves; only the admin plane is missing
+            log.error("kvtier: admin API not started: %s", exc)
+
+    def link_bytes(self) -> dict:
+        counters = self.manager.counters
+        return {kind: counters.get(f"bytes_{kind}", 0) for kind in
+                ("store", "load", "demote", "promote", "snapshot", "restore")}
+
+    def wake(self) -> None:
+        """Make sure the engine runs a step soon (an idle vLLM engine runs none): one 1-token request."""
+        if not self._api_url or not self._waking.acquire(blocking=False):
+            return
+
+        def poke() -> None:
+            try:
+                body = json.dumps({"model": self.fingerprint.model_id, "prompt": ".", "max_tokens": 1}).encode()
+                request = urllib.request.Request(self._api_url.rstrip("/") + "/completions", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                urllib.request.urlopen(request, timeout=30).read()
+            except Exception as exc:  # the job still runs with the next real request
+                log.debug("kvtier: wake request failed: %s", exc)
+            finally:
+                self._waking.release()
+
+        threading.Thread(target=poke, name="kvtier-wake", daemon=True).start()
+
+    def shutdown(self) -> None:
+        if self.admin is not None:
+            self.admin.stop()
+            self.admin = None
 
     # ---- admission ----------------------------------------------------------------------------
     def _state(self, request: Any) -> RequestState:
@@ -141,6 +197,8 @@ class KVTierScheduler:
         jobs, self._jobs = self._jobs, []
         missing, self._missing = self._missing, []
         jobs.extend(self.manager.maintenance())
+        if self.ops is not None:
+            self.ops.shipped(job.job_id for job in jobs)
         return jobs, missing
 
     def _track_block_tables(self, scheduler_output: Any) -> None:
@@ -186,6 +244,8 @@ class KVTierScheduler:
         for result in results:
             if result.job_id >= 0:
                 self.manager.complete(result)
+                if self.ops is not None:
+                    self.ops.finished(result)
 
     def request_finished(self, request: Any) -> dict | None:
         state = self.requests.get(request.request_id)

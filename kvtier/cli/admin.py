@@ -1,0 +1,214 @@
+"""The session commands: clients of the admin API of a running ``kvtier serve``.
+
+``status``, ``sessions``, ``inspect``, ``pin``, ``unpin``, ``evict``, ``snapshot SESSION``,
+``restore FILE``, ``jobs``. Reads take ``--json``; writes wait for their job with a progress
+spinner unless ``--no-wait`` (then they print the job id). The socket is found without flags
+(``$KVTIER_ADMIN_SOCKET``, else the one ``kvtier serve`` prints); ``--socket`` overrides it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import typer
+
+from kvtier.cli.output import emit_json, handle_errors, human_bytes, print_table
+
+__all__ = ["register"]
+
+SOCKET_HELP = "Admin socket of the server (default: the one `kvtier serve` prints)."
+
+
+def _client(socket: Optional[str]):
+    from kvtier.control.client import AdminClient
+
+    return AdminClient(socket)
+
+
+def _ago(ts: float) -> str:
+    seconds = max(0.0, time.time() - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def _finish(client, job: dict, wait: bool, json_out: bool, label: str) -> None:
+    if wait and job["state"] not in ("done", "failed"):
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        with console.status(f"{label} (job {job['id']})…"):
+            job = client.wait(job)
+    if json_out:
+        emit_json(job)
+    elif job["state"] == "failed":
+        from kvtier.errors import KvtierError
+
+        raise KvtierError(f"{label}: job {job['id']} failed: {job.get('error')}",
+                          hint=f"details: kvtier jobs {job['id']}")
+    elif job["state"] == "done":
+        extra = f", {human_bytes(job['bytes'])} moved" if job.get("bytes") else ""
+        where = f" -> {job['path']}" if job.get("path") else ""
+        typer.echo(f"{label}: done (job {job['id']}{extra}){where}")
+    else:
+        typer.echo(f"{label}: job {job['id']} {job['state']} (follow it with `kvtier jobs {job['id']}`)")
+    if job["state"] == "failed":
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
+    @app.command("status")
+    @handle_errors
+    def status(json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+               socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+        """The server: model, tiers (bytes, codec, tokens per GiB), sessions, jobs, warnings."""
+        doc = _client(socket).get("/v1/status")
+        if json_out:
+            emit_json(doc)
+            return
+        typer.echo(f"model {doc.get('model')}  KV {doc.get('kv_dtype')}  API {doc.get('api_url') or '-'}  "
+                   f"up {doc['uptime_s']:.0f}s")
+        rows = []
+        for tier in ("hbm", "dram", "nvme"):
+            t = doc["tiers"][tier]
+            if tier == "hbm":
+                rows.append((tier, "-", "-", "-", t.get("kv_dtype", "-"), f"{t['tokens_per_gib']:,}"))
+                continue
+            cap = t["capacity_bytes"]
+            pct = f"{100 * t['used_bytes'] / cap:.0f}%" if cap else "-"
+            rows.append((tier, f"{human_bytes(t['used_bytes'])} / {human_bytes(cap)}", pct, f"{t['blocks']:,}",
+                         t.get("codec", "none"), f"{t['tokens_per_gib']:,}"))
+        print_table("tiers", ["tier", "used", "%", "blocks", "codec", "tokens/GiB"], rows)
+        sessions = ", ".join(f"{n} {state}" for state, n in doc["sessions"].items() if n) or "none"
+        typer.echo(f"sessions: {sessions}; jobs in flight: {doc['jobs_in_flight']}")
+        for tier, warning in doc.get("warnings", {}).items():
+            typer.echo(f"warning ({tier}): {warning}", err=True)
+
+    @app.command("sessions")
+    @handle_errors
+    def sessions(
+        sort: str = typer.Option("last_use", "--sort", help="last_use, tokens, bytes, session_id or state."),
+        state: Optional[str] = typer.Option(None, "--state", help="Only hot, warm, cold, pinned or gone."),
+        limit: int = typer.Option(50, "--limit", min=1, max=100_000, help="At most this many rows."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+        socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+    ) -> None:
+        """Sessions with their state and bytes per tier."""
+        doc = _client(socket).get("/v1/sessions", sort=sort, state=state, limit=limit)
+        if json_out:
+            emit_json(doc)
+            return
+        rows = [(s["session_id"], s["state"], f"{s['tokens']:,}", human_bytes(s["bytes_dram"]),
+                 human_bytes(s["bytes_nvme"]), s["pinned"] or "-", _ago(s["last_use"])) for s in doc["sessions"]]
+        print_table(f"sessions ({len(rows)} of {doc['total']})",
+                    ["session", "state", "tokens", "DRAM", "NVMe", "pinned", "last use"], rows)
+
+    @app.command("inspect")
+    @handle_errors
+    def inspect(session: str = typer.Argument(..., help="Session id."),
+                json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+                socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+        """One session: blocks and bytes per tier, codec, tokens, last use, job in flight."""
+        from kvtier.control.client import AdminClient
+
+        doc = _client(socket).get(AdminClient.session_path(session))
+        if json_out:
+            emit_json(doc)
+            return
+        rows = [("state", doc["state"]), ("tokens", f"{doc['tokens']:,}"), ("blocks", doc["blocks"]),
+                ("DRAM", f"{doc['blocks_dram']} blocks, {human_bytes(doc['bytes_dram'])}, codec {doc['codec_dram']}"),
+                ("NVMe", f"{doc['blocks_nvme']} blocks, {human_bytes(doc['bytes_nvme'])}, codec {doc['codec_nvme']}"),
+                ("pinned", doc["pinned"] or "no"), ("last use", _ago(doc["last_use"])),
+                ("job", doc.get("job") or "-")]
+        print_table(f"session {session}", ["", ""], rows)
+
+    def write(action: str, label: str):
+        def run(session: str, body: dict, wait: bool, json_out: bool, socket: Optional[str]) -> None:
+            from kvtier.control.client import AdminClient
+
+            client = _client(socket)
+            job = client.post(AdminClient.session_path(session, action), body)
+            _finish(client, job, wait, json_out, f"{label} {session}")
+
+        return run
+
+    @app.command("pin")
+    @handle_errors
+    def pin(session: str = typer.Argument(..., help="Session id."),
+            tier: str = typer.Option("dram", "--tier", help="dram (never demoted) or nvme (never dropped)."),
+            wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
+            json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
+            socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+        """Pin a session at a tier."""
+        write("pin", "pin")(session, {"tier": tier}, wait, json_out, socket)
+
+    @app.command("unpin")
+    @handle_errors
+    def unpin(session: str = typer.Argument(..., help="Session id."),
+              json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
+              socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+        """Let the eviction policy move a pinned session again."""
+        write("unpin", "unpin")(session, {}, True, json_out, socket)
+
+    @app.command("evict")
+    @handle_errors
+    def evict(session: str = typer.Argument(..., help="Session id."),
+              to: str = typer.Option(..., "--to", help="dram, nvme, or drop (forget it everywhere)."),
+              yes: bool = typer.Option(False, "--yes", "-y", help="Drop without asking."),
+              wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
+              json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
+              socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+        """Move a session's blocks down to NVMe (or back to DRAM), or drop them."""
+        if to == "drop" and not yes and not typer.confirm(f"drop every stored block of session {session}?"):
+            raise typer.Exit(1)
+        write("evict", f"evict to {to}")(session, {"to": to}, wait, json_out, socket)
+
+    @snapshot_app.command("take", hidden=True)
+    @handle_errors
+    def snapshot_take(session: str = typer.Argument(..., help="Session id."),
+                      out: Optional[str] = typer.Option(None, "--out", "-o",
+                                                        help="File to write (default: <snapshot dir>/<session>.kvsnap)."),
+                      wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job or print its id."),
+                      json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
+                      socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+        """kvtier snapshot SESSION [--out FILE]: write a session's KV to a portable file."""
+        from pathlib import Path
+
+        body = {"path": str(Path(out).expanduser().resolve())} if out else {}
+        write("snapshot", "snapshot")(session, body, wait, json_out, socket)
+
+    @app.command("restore")
+    @handle_errors
+    def restore(file: str = typer.Argument(..., help="A .kvsnap file (read by the server)."),
+                tier: str = typer.Option("dram", "--tier", help="dram or nvme."),
+                wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
+                json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
+                socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+        """Bring a snapshot's session back into the tiers (its next turn loads instead of recomputing)."""
+        from pathlib import Path
+
+        path = Path(file).expanduser()
+        if not path.is_file():
+            from kvtier.errors import NotFoundError
+
+            raise NotFoundError(f"snapshot file {file} does not exist", hint="kvtier snapshot SESSION writes one")
+        client = _client(socket)
+        job = client.post("/v1/restore", {"path": str(path.resolve()), "tier": tier})
+        _finish(client, job, wait, json_out, f"restore {path.name}")
+
+    @app.command("jobs")
+    @handle_errors
+    def jobs(job_id: Optional[int] = typer.Argument(None, help="One job."),
+             json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+             socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+        """Recent jobs (pin, evict, snapshot, restore) and their state."""
+        client = _client(socket)
+        doc = client.get(f"/v1/jobs/{job_id}") if job_id is not None else client.get("/v1/jobs")
+        if json_out:
+            emit_json(doc)
+            return
+        rows = doc["jobs"] if job_id is None else [doc]
+        print_table("jobs", ["id", "kind", "session", "state", "bytes", "seconds", "error"],
+                    [(j["id"], j["kind"], j["session_id"] or "-", j["state"], human_bytes(j["bytes"]),
+                      f"{j['seconds']:.3f}" if j["seconds"] is not None else "-", j["error"] or "") for j in rows])

@@ -1,0 +1,263 @@
+"""The admin API's operations: read views and write actions over the manager (under its lock)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+from kvtier.control.server import API_VERSION, ApiError, resolve_snapshot_path
+from kvtier.errors import NotFoundError
+from kvtier.index import Tier, validate_session_id
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.control.server import Ops
+
+__all__ = ["handle", "metrics", "OPENAPI"]
+
+STATES = ("hot", "warm", "cold", "pinned", "gone")
+SORT_KEYS = ("last_use", "tokens", "bytes", "session_id", "state")
+_TIERS = {"dram": Tier.DRAM, "nvme": Tier.NVME}
+
+
+def handle(ops: "Ops", name: str, params: dict, query: dict, body: dict) -> tuple[int, Any]:
+    session = None
+    if "session" in params:
+        session = validate_session_id(unquote(params["session"]))
+    return _HANDLERS[name](ops, session=session, params=params, query=query, body=body)
+
+
+# ---- reads -------------------------------------------------------------------------------------
+def _status(ops: "Ops", **_) -> tuple[int, dict]:
+    with ops.lock:
+        stats = ops.manager.stats()
+        states = [ops.manager.session_info(s)["state"] for s in list(ops.manager.sessions)]
+        in_flight = sum(1 for r in ops.jobs.values() if r.state in ("queued", "running"))
+    return 200, {
+        "api": API_VERSION, **ops.info, "uptime_s": time.time() - ops.started,
+        "fingerprint": stats["fingerprint"], "tiers": _tier_view(stats),
+        "sessions": {state: states.count(state) for state in STATES}, "jobs_in_flight": in_flight,
+        "warnings": stats["warnings"], "counters": stats["counters"], "links": ops.link_bytes(),
+    }
+
+
+def _tier_view(stats: dict) -> dict:
+    return {"hbm": stats["hbm"], "dram": stats["dram"], "nvme": stats["nvme"]}
+
+
+def _tiers(ops: "Ops", **_) -> tuple[int, dict]:
+    with ops.lock:
+        return 200, _tier_view(ops.manager.stats())
+
+
+def _sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
+    state = query.get("state")
+    if state is not None and state not in STATES:
+        raise ApiError(400, f"unknown state {state!r}", hint=f"one of: {', '.join(STATES)}")
+    sort = query.get("sort", "last_use")
+    if sort not in SORT_KEYS:
+        raise ApiError(400, f"cannot sort by {sort!r}", hint=f"one of: {', '.join(SORT_KEYS)}")
+    try:
+        limit = int(query.get("limit", 10_000))
+    except ValueError:
+        raise ApiError(400, "limit must be an integer") from None
+    if not 1 <= limit <= 100_000:
+        raise ApiError(400, "limit must be between 1 and 100000")
+    with ops.lock:
+        rows = [_session_view(ops, s) for s in list(ops.manager.sessions)]
+    if state:
+        rows = [r for r in rows if r["state"] == state]
+    key = {"bytes": lambda r: r["bytes_dram"] + r["bytes_nvme"]}.get(sort, lambda r: r[sort])
+    rows.sort(key=key, reverse=sort in ("last_use", "tokens", "bytes"))
+    return 200, {"sessions": rows[:limit], "total": len(rows)}
+
+
+def _session_view(ops: "Ops", session_id: str) -> dict:
+    info = ops.manager.session_info(session_id)
+    info["job"] = ops.busy.get(session_id)
+    info["codec_dram"], info["codec_nvme"] = ops.manager.warm_codec, ops.manager.cold_codec
+    return info
+
+
+def _session(ops: "Ops", session: str, **_) -> tuple[int, dict]:
+    with ops.lock:
+        return 200, _session_view(ops, session)
+
+
+def _jobs(ops: "Ops", **_) -> tuple[int, dict]:
+    with ops.lock:
+        return 200, {"jobs": [r.to_dict() for r in sorted(ops.jobs.values(), key=lambda r: -r.job_id)[:200]]}
+
+
+def _job(ops: "Ops", params: dict, **_) -> tuple[int, dict]:
+    try:
+        job_id = int(params["job"])
+    except ValueError:
+        raise ApiError(400, f"job id {params['job']!r} is not a number") from None
+    with ops.lock:
+        record = ops.jobs.get(job_id)
+        if record is None:
+            raise NotFoundError(f"no job {job_id}", hint="kvtier jobs lists the recent ones")
+        return 200, record.to_dict()
+
+
+# ---- writes ------------------------------------------------------------------------------------
+def _tier(value: Any, field: str, choices: dict) -> Any:
+    if value not in choices:
+        raise ApiError(400, f"{field} must be one of: {', '.join(choices)}", hint=f'e.g. {{"{field}": "nvme"}}')
+    return choices[value]
+
+
+def _write(ops: "Ops", kind: str, session: str | None, plan) -> tuple[int, dict]:
+    with ops.lock:
+        if session is not None:
+            ops.manager.session(session)  # 404 before 409
+            ops._check_free(session)
+        record = ops._submit(kind, session, plan())
+    if record.state == "queued":
+        ops.wake()
+    return 202, record.to_dict()
+
+
+def _pin(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
+    tier = _tier(body.get("tier", "dram"), "tier", _TIERS)
+    return _write(ops, "pin", session, lambda: ops.manager.pin(session, tier))
+
+
+def _unpin(ops: "Ops", session: str, **_) -> tuple[int, dict]:
+    return _write(ops, "unpin", session, lambda: ops.manager.unpin(session))
+
+
+def _evict(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
+    to = _tier(body.get("to"), "to", {"dram": Tier.DRAM, "nvme": Tier.NVME, "drop": None})
+    if to == Tier.DRAM:  # kvtier writes through: a session's blocks are in DRAM unless demoted
+        with ops.lock:
+            info = ops.manager.session_info(session)
+        if info["blocks_nvme"] and info["blocks_dram"] < info["blocks"]:
+            return _write(ops, "evict", session, lambda: ops.manager._promote_rows(
+                [r for r in ops.manager.session_rows(ops.manager.session(session))
+                 if not ops.manager.index.col["flags"][r] & 1], session))
+        return _write(ops, "evict", session, lambda: None)
+    return _write(ops, "evict", session, lambda: ops.manager.evict(session, to))
+
+
+def _snapshot(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
+    path = resolve_snapshot_path(ops, body.get("path"), session)
+    if path.exists() and path.is_dir():
+        raise ApiError(400, f"{path} is a directory", hint="give a file path")
+    if not path.parent.is_dir():
+        if path.parent == ops.snapshot_dir:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            raise ApiError(400, f"directory {path.parent} does not exist", hint="create it first")
+    return _write(ops, "snapshot", session, lambda: ops.manager.prepare_snapshot(session, str(path)))
+
+
+def _restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
+    from kvtier.snapshot import open_snapshot
+
+    if "path" not in body:
+        raise ApiError(400, "restore needs a snapshot path", hint='{"path": "/data/snapshots/agent.kvsnap"}')
+    tier = _tier(body.get("tier", "dram"), "tier", _TIERS)
+    path = resolve_snapshot_path(ops, body["path"], "restore")
+    info = open_snapshot(path)  # validates the whole header; SnapshotError -> 400 with a hint
+    with ops.lock:
+        ops._check_free(info.session_id)
+        record = ops._submit("restore", info.session_id, ops.manager.prepare_restore(info, tier))
+    if record.state == "queued":
+        ops.wake()
+    return 202, record.to_dict()
+
+
+def _openapi(ops: "Ops", **_) -> tuple[int, dict]:
+    return 200, OPENAPI
+
+
+_HANDLERS = {"status": _status, "tiers": _tiers, "sessions": _sessions, "session": _session, "jobs": _jobs,
+             "job": _job, "pin": _pin, "unpin": _unpin, "evict": _evict, "snapshot": _snapshot,
+             "restore": _restore, "openapi": _openapi}
+
+
+def _op(summary: str, body: dict | None = None, params: tuple = ()) -> dict:
+    op: dict = {"summary": summary, "responses": {"200": {"description": "ok"}, "202": {"description": "job"},
+                                                    "400": {"description": "bad request"},
+                                                    "404": {"description": "not found"},
+                                                    "409": {"description": "session busy"}}}
+    if params:
+        op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
+    if body is not None:
+        op["requestBody"] = {"content": {"application/json": {"schema": {
+            "type": "object", "additionalProperties": False, "properties": body}}}}
+    return op
+
+
+_TIER_ENUM = {"type": "string", "enum": ["dram", "nvme"]}
+OPENAPI = {
+    "openapi": "3.0.3",
+    "info": {"title": "kvtier admin API", "version": API_VERSION},
+    "paths": {
+        "/v1/status": {"get": _op("Model, tiers, sessions by state, jobs, warnings")},
+        "/v1/tiers": {"get": _op("Per tier: bytes, capacity, blocks, codec, tokens per GiB")},
+        "/v1/sessions": {"get": _op("Sessions (query: state, sort, limit)")},
+        "/v1/sessions/{session}": {"get": _op("One session", params=("session",))},
+        "/v1/jobs": {"get": _op("Recent jobs")},
+        "/v1/jobs/{job}": {"get": _op("One job", params=("job",))},
+        "/v1/sessions/{session}/pin": {"post": _op("Pin at a tier", {"tier": _TIER_ENUM}, ("session",))},
+        "/v1/sessions/{session}/unpin": {"post": _op("Unpin", {}, ("session",))},
+        "/v1/sessions/{session}/evict": {"post": _op("Evict to a tier or drop", {
+            "to": {"type": "string", "enum": ["dram", "nvme", "drop"]}}, ("session",))},
+        "/v1/sessions/{session}/snapshot": {"post": _op("Snapshot to a file", {"path": {"type": "string"}},
+                                                         ("session",))},
+        "/v1/restore": {"post": _op("Restore a snapshot file", {"path": {"type": "string"}, "tier": _TIER_ENUM})},
+        "/metrics": {"get": _op("Prometheus metrics")},
+    },
+}
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+def metrics(ops: "Ops") -> bytes:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+    with ops.lock:
+        stats = ops.manager.stats()
+        states = [ops.manager.session_info(s)["state"] for s in list(ops.manager.sessions)]
+        latency = {kind: list(values) for kind, values in ops.latency.items()}
+    counters = stats["counters"]
+
+    class Collector:
+        def collect(self):
+            used = GaugeMetricFamily("kvtier_tier_bytes", "Bytes held per tier", labels=["tier"])
+            cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
+            blocks = GaugeMetricFamily("kvtier_tier_blocks", "Blocks held per tier", labels=["tier"])
+            for tier in ("dram", "nvme"):
+                used.add_metric([tier], stats[tier]["used_bytes"])
+                cap.add_metric([tier], stats[tier]["capacity_bytes"])
+                blocks.add_metric([tier], stats[tier]["blocks"])
+            yield from (used, cap, blocks)
+            hits = CounterMetricFamily("kvtier_hit_blocks", "Blocks loaded into HBM, by source tier", labels=["tier"])
+            for tier in ("dram", "nvme"):
+                hits.add_metric([tier], counters.get(f"hit_{tier}_blocks", 0))
+            yield hits
+            tokens = CounterMetricFamily("kvtier_loaded_tokens", "Prompt tokens loaded instead of recomputed")
+            tokens.add_metric([], counters.get("loaded_tokens", 0))
+            yield tokens
+            links = CounterMetricFamily("kvtier_link_bytes", "Bytes moved per link", labels=["link"])
+            for link, value in sorted(ops.link_bytes().items()):
+                links.add_metric([link], value)
+            yield links
+            sessions = GaugeMetricFamily("kvtier_sessions", "Sessions by state", labels=["state"])
+            for state in STATES:
+                sessions.add_metric([state], states.count(state))
+            yield sessions
+            jobs = SummaryMetricFamily("kvtier_job_seconds", "Job latency", labels=["kind"])
+            for kind, values in sorted(latency.items()):
+                jobs.add_metric([kind], len(values), sum(values))
+            yield jobs
+            warn = GaugeMetricFamily("kvtier_warning", "1 while a tier has a warning", labels=["tier"])
+            for tier in ("dram", "nvme"):
+                warn.add_metric([tier], 1 if tier in stats["warnings"] else 0)
+            yield warn
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector())
+    return generate_latest(registry)

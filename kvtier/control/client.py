@@ -1,0 +1,139 @@
+"""Client of the admin API (the CLI and ``kvtier top``): stdlib only, no torch, no vLLM."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import time
+from typing import Any, Callable
+from urllib.parse import quote, urlencode
+
+from kvtier.errors import KvtierError, NoServerError, NotFoundError, UsageError
+
+__all__ = ["AdminClient", "default_socket_path"]
+
+NO_SERVER_HINT = "start one with `kvtier serve` (or pass --socket PATH / set KVTIER_ADMIN_SOCKET)"
+
+
+def default_socket_path() -> str:
+    from kvtier.serve import admin_socket_path
+
+    return os.environ.get("KVTIER_ADMIN_SOCKET") or admin_socket_path()
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class AdminClient:
+    """``get`` / ``post`` JSON against the admin socket; errors become kvtier errors with hints."""
+
+    def __init__(self, socket_path: str | None = None, timeout: float = 10.0, url: str | None = None,
+                 token: str | None = None):
+        self.socket_path = socket_path or default_socket_path()
+        self.timeout = timeout
+        self.url = url  # http://127.0.0.1:PORT for the token-protected TCP listener
+        self.token = token
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self.url:
+                from urllib.parse import urlparse
+
+                parsed = urlparse(self.url)
+                self._conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=self.timeout)
+            else:
+                self._conn = _UnixConnection(self.socket_path, self.timeout)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def request(self, method: str, path: str, body: dict | None = None, raw: bool = False) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        for attempt in (0, 1):  # one retry on a connection the server closed meanwhile
+            conn = self._connection()
+            try:
+                conn.request(method, path, body=data, headers=headers)
+                response = conn.getresponse()
+                payload = response.read()
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                self.close()
+                raise NoServerError(f"no kvtier server is listening on {self.socket_path}",
+                                    hint=NO_SERVER_HINT) from None
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.close()
+                if attempt:
+                    raise NoServerError("the kvtier server closed the connection", hint=NO_SERVER_HINT) from None
+            except socket.timeout:
+                self.close()
+                raise KvtierError(f"the kvtier server did not answer within {self.timeout:.0f} s",
+                                  hint="it may be busy; retry, or check its log") from None
+            except PermissionError:
+                self.close()
+                raise NoServerError(f"no permission to use {self.socket_path}",
+                                    hint="the socket belongs to another user; run as that user") from None
+        if raw:
+            if response.status >= 400:
+                _raise(response.status, payload)
+            return payload.decode("utf-8", "replace")
+        if response.status >= 400:
+            _raise(response.status, payload)
+        return json.loads(payload)
+
+    def get(self, path: str, **query) -> Any:
+        query = {k: v for k, v in query.items() if v is not None}
+        return self.request("GET", path + (f"?{urlencode(query)}" if query else ""))
+
+    def post(self, path: str, body: dict | None = None) -> Any:
+        return self.request("POST", path, body or {})
+
+    @staticmethod
+    def session_path(session_id: str, action: str = "") -> str:
+        return f"/v1/sessions/{quote(session_id, safe='')}" + (f"/{action}" if action else "")
+
+    def wait(self, job: dict, timeout: float = 600.0, on_poll: Callable[[dict], None] | None = None) -> dict:
+        """Poll a job until it is done or failed."""
+        deadline = time.monotonic() + timeout
+        delay = 0.02
+        while job["state"] not in ("done", "failed"):
+            if time.monotonic() > deadline:
+                raise KvtierError(f"job {job['id']} is still {job['state']} after {timeout:.0f} s",
+                                  hint=f"follow it with `kvtier jobs {job['id']}`")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+            job = self.get(f"/v1/jobs/{job['id']}")
+            if on_poll is not None:
+                on_poll(job)
+        return job
+
+
+def _raise(status: int, payload: bytes) -> None:
+    try:
+        doc = json.loads(payload)
+        message, hint = doc.get("error", ""), doc.get("hint")
+    except (ValueError, AttributeError):
+        message, hint = payload.decode("utf-8", "replace")[:200], None
+    if status == 404:
+        raise NotFoundError(message, hint=hint)
+    if status in (400, 405, 411, 413):
+        raise UsageError(message, hint=hint)
+    if status == 401:
+        raise KvtierError(message, hint=hint or "pass the admin token")
+    raise KvtierError(message, hint=hint)

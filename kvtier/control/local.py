@@ -1,0 +1,71 @@
+"""The admin API over an in-process ``TierEngine``: the same server, with a job thread standing in
+for vLLM's engine loop (jobs run in order, one step at a time, results applied under the lock).
+Used by the tests, ``kvtier bench admin`` and the examples; the connector wires the server to
+vLLM instead (``plugins/vllm/scheduler.py``)."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier.control.server import AdminServer, Ops
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.engine import TierEngine
+
+__all__ = ["LocalAdmin"]
+
+
+class LocalAdmin:
+    def __init__(self, engine: "TierEngine", socket_path: str | Path, snapshot_dir: str | Path | None = None,
+                 tcp: tuple[str, int] | None = None, token: str | None = None):
+        self.engine = engine
+        self.lock = threading.RLock()
+        self.paused = threading.Event()  # tests: hold jobs in the queue
+        self._queue: "queue.Queue" = queue.Queue()
+        info = {"model": engine.fingerprint.model_id, "api_url": None, "kv_dtype": engine.fingerprint.geometry.dtype,
+                "block_tokens": engine.fingerprint.geometry.block_tokens}
+        self.ops = Ops(engine.manager, self.lock, self._queue.put, snapshot_dir=snapshot_dir, info=info,
+                       link_bytes=lambda: dict(engine.mover.link_bytes))
+        self.server = AdminServer(self.ops, socket_path, tcp, token)
+        self._thread = threading.Thread(target=self._loop, name="kvtier-local-engine", daemon=True)
+        self._stop = False
+
+    def start(self) -> "LocalAdmin":
+        self.server.start()
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            while self.paused.is_set() and not self._stop:
+                time.sleep(0.005)
+            with self.lock:
+                self.ops.shipped([job.job_id])
+            result = self.engine.mover.run(job)  # the IO runs outside the lock, as in the worker
+            with self.lock:
+                self.engine.manager.complete(result)
+                self.engine.mover.forget_slots(self.engine.manager.slots.drain_freed())
+                self.ops.finished(result)
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every queued job has run."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not any(r.state in ("queued", "running") for r in self.ops.jobs.values()):
+                    return
+            time.sleep(0.005)
+        raise TimeoutError("admin jobs did not finish")
+
+    def stop(self) -> None:
+        self._stop = True
+        self.paused.clear()
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        self.server.stop()

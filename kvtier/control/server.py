@@ -1,0 +1,383 @@
+"""The admin API server: HTTP/1.1 + JSON over a Unix socket (mode 0600), optional loopback TCP with a
+bearer token. Runs on its own threads inside the engine process, beside the scheduler half.
+
+Every read takes the manager's lock for the time of a copy; every write plans a job under the lock
+and hands it to the engine (``Ops.enqueue``), which ships it to the worker with the next step;
+``Ops.wake`` makes sure there is a next step when the engine is idle. Writes answer at once with a
+job id (``202``); ``GET /v1/jobs/{id}`` follows it. Two writes on one session never interleave: a
+second one while the first is in flight is refused with ``409`` and the id of the running job.
+
+Routes (``GET /v1/openapi.json`` describes them)::
+
+    GET  /v1/status                      model, tiers, sessions by state, jobs, warnings
+    GET  /v1/tiers                       per tier: bytes, capacity, blocks, codec, tokens per GiB
+    GET  /v1/sessions[?state=&sort=&limit=]
+    GET  /v1/sessions/{id}
+    GET  /v1/jobs  |  GET /v1/jobs/{id}
+    POST /v1/sessions/{id}/pin           {"tier": "dram" | "nvme"}
+    POST /v1/sessions/{id}/unpin         {}
+    POST /v1/sessions/{id}/evict         {"to": "dram" | "nvme" | "drop"}
+    POST /v1/sessions/{id}/snapshot      {"path": optional file path; default: the snapshot dir}
+    POST /v1/restore                     {"path": snapshot file, "tier": "dram" | "nvme"}
+    GET  /metrics                        Prometheus text
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import re
+import socket
+import socketserver
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any, Callable
+
+from kvtier.errors import KvtierError, NotFoundError, UsageError
+
+__all__ = ["AdminServer", "Ops", "MAX_BODY", "API_VERSION"]
+
+log = logging.getLogger("kvtier.admin")
+
+API_VERSION = "v1"
+MAX_BODY = 64 << 10
+SNAPSHOT_SUFFIX = ".kvsnap"
+_SESSION = r"(?P<session>[^/]+)"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.hint = status, message, hint
+
+
+@dataclass
+class JobRecord:
+    job_id: int
+    kind: str
+    session_id: str | None
+    state: str = "queued"  # queued -> running -> done | failed
+    created: float = field(default_factory=time.time)
+    finished: float | None = None
+    blocks: int = 0
+    bytes: int = 0
+    error: str | None = None
+    seconds: float | None = None
+    detail: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"id": self.job_id, "kind": self.kind, "session_id": self.session_id, "state": self.state,
+                "progress": 1.0 if self.state in ("done", "failed") else 0.0, "blocks": self.blocks,
+                "bytes": self.bytes, "created": self.created, "finished": self.finished,
+                "seconds": self.seconds, "error": self.error, **self.detail}
+
+
+class Ops:
+    """What the server needs from the engine: the manager, its lock, and a way to run jobs."""
+
+    def __init__(self, manager, lock: threading.RLock, enqueue: Callable, wake: Callable[[], None] = lambda: None,
+                 snapshot_dir: str | os.PathLike | None = None, info: dict | None = None,
+                 link_bytes: Callable[[], dict] | None = None):
+        self.manager = manager
+        self.lock = lock
+        self.enqueue = enqueue
+        self.wake = wake
+        self.snapshot_dir = Path(snapshot_dir) if snapshot_dir else None
+        self.info = dict(info or {})
+        self.started = time.time()
+        self.jobs: dict[int, JobRecord] = {}
+        self.busy: dict[str, int] = {}  # session -> job in flight
+        self.latency: dict[str, list[float]] = {}  # job kind -> seconds (recent)
+        self.link_bytes = link_bytes or (lambda: {})
+
+    # ---- job bookkeeping (called by the scheduler half, under the lock) -----------------------
+    def shipped(self, job_ids) -> None:
+        for job_id in job_ids:
+            record = self.jobs.get(job_id)
+            if record is not None and record.state == "queued":
+                record.state = "running"
+
+    def finished(self, result) -> None:
+        record = self.jobs.get(result.job_id)
+        if record is None:
+            return
+        record.state = "done" if result.ok else "failed"
+        record.error = result.error
+        record.seconds = result.seconds
+        record.bytes = result.bytes_moved
+        record.finished = time.time()
+        if "path" in result.extra:
+            record.detail["path"] = result.extra["path"]
+        self.latency.setdefault(record.kind, []).append(result.seconds)
+        del self.latency[record.kind][:-1000]
+        if record.session_id and self.busy.get(record.session_id) == record.job_id:
+            del self.busy[record.session_id]
+        self._trim()
+
+    def _trim(self) -> None:
+        if len(self.jobs) > 1000:
+            for job_id in sorted(self.jobs)[: len(self.jobs) - 1000]:
+                if self.jobs[job_id].state in ("done", "failed"):
+                    del self.jobs[job_id]
+
+    def _submit(self, kind: str, session_id: str | None, job) -> JobRecord:
+        """Record (and enqueue) a planned job; ``job`` None means nothing had to move: done at once."""
+        if job is None:
+            job_id = next(self.manager._job_ids)
+            record = JobRecord(job_id, kind, session_id, state="done", finished=time.time(), seconds=0.0)
+        else:
+            record = JobRecord(job.job_id, kind, session_id, blocks=len(job.moves) + len(job.drops))
+            if session_id:
+                self.busy[session_id] = job.job_id
+            self.enqueue(job)
+        self.jobs[record.job_id] = record
+        return record
+
+    def _check_free(self, session_id: str) -> None:
+        running = self.busy.get(session_id)
+        if running is not None:
+            record = self.jobs[running]
+            raise ApiError(409, f"session {session_id} has job {running} in progress ({record.kind})",
+                           hint=f"wait for it: kvtier jobs {running}, then retry")
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _TcpServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class AdminServer:
+    """Serves ``ops`` on a Unix socket (and optionally loopback TCP with a token) until ``stop``."""
+
+    def __init__(self, ops: Ops, socket_path: str | os.PathLike, tcp: tuple[str, int] | None = None,
+                 token: str | None = None):
+        self.ops = ops
+        self.socket_path = Path(socket_path)
+        self.token = token
+        if tcp is not None:
+            if tcp[0] not in ("127.0.0.1", "::1", "localhost"):
+                raise UsageError(f"admin TCP must listen on loopback, not {tcp[0]}",
+                                 hint="use 127.0.0.1 (and the Unix socket for local use)")
+            if not token:
+                raise UsageError("admin TCP needs a bearer token", hint="set admin_token (a long random string)")
+        self.tcp = tcp
+        self._servers: list[socketserver.BaseServer] = []
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> "AdminServer":
+        self._prepare_socket_dir()
+        handler = _make_handler(self.ops, None)
+        unix = _UnixServer(str(self.socket_path), handler)
+        os.chmod(self.socket_path, 0o600)
+        self._servers.append(unix)
+        if self.tcp is not None:
+            self._servers.append(_TcpServer(self.tcp, _make_handler(self.ops, self.token)))
+        for server in self._servers:
+            thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                                      name="kvtier-admin", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("kvtier admin API on %s%s", self.socket_path,
+                 f" and http://{self.tcp[0]}:{self.tcp[1]}" if self.tcp else "")
+        return self
+
+    @property
+    def tcp_port(self) -> int | None:
+        return self._servers[1].server_address[1] if len(self._servers) > 1 else None
+
+    def _prepare_socket_dir(self) -> None:
+        directory = self.socket_path.parent
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = directory.stat()
+        if info.st_uid != os.getuid():
+            raise UsageError(f"admin socket directory {directory} belongs to another user",
+                             hint="set XDG_RUNTIME_DIR to a directory you own")
+        if self.socket_path.exists() or self.socket_path.is_symlink():
+            if not stat.S_ISSOCK(self.socket_path.lstat().st_mode):
+                raise UsageError(f"{self.socket_path} exists and is not a socket", hint="move it away")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(self.socket_path))
+            except OSError:  # stale: its server is gone
+                self.socket_path.unlink()
+            else:
+                raise UsageError(f"another kvtier server is already listening on {self.socket_path}",
+                                 hint="stop it first, or set XDG_RUNTIME_DIR for this one")
+            finally:
+                probe.close()
+
+    def stop(self) -> None:
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+        self._servers.clear()
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+# ---- request handling --------------------------------------------------------------------------
+_ROUTES: list[tuple[str, re.Pattern, str]] = [
+    (method, re.compile(f"^{pattern}$"), name) for method, pattern, name in [
+        ("GET", "/v1/status", "status"),
+        ("GET", "/v1/tiers", "tiers"),
+        ("GET", "/v1/sessions", "sessions"),
+        ("GET", f"/v1/sessions/{_SESSION}", "session"),
+        ("GET", "/v1/jobs", "jobs"),
+        ("GET", r"/v1/jobs/(?P<job>[^/]+)", "job"),
+        ("GET", "/v1/openapi.json", "openapi"),
+        ("GET", "/metrics", "metrics"),
+        ("POST", f"/v1/sessions/{_SESSION}/pin", "pin"),
+        ("POST", f"/v1/sessions/{_SESSION}/unpin", "unpin"),
+        ("POST", f"/v1/sessions/{_SESSION}/evict", "evict"),
+        ("POST", f"/v1/sessions/{_SESSION}/snapshot", "snapshot"),
+        ("POST", "/v1/restore", "restore"),
+    ]
+]
+_BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"path"}, "restore": {"path", "tier"}}
+
+
+def _make_handler(ops: Ops, token: str | None):
+    from kvtier.control import api
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "kvtier-admin"
+        sys_version = ""
+
+        def log_message(self, fmt, *args) -> None:  # quiet: vLLM's log is busy enough
+            log.debug("admin: " + fmt, *args)
+
+        def address_string(self) -> str:
+            return "unix" if isinstance(self.client_address, (str, bytes)) or not self.client_address else \
+                str(self.client_address[0])
+
+        def do_GET(self) -> None:
+            self._dispatch("GET")
+
+        def do_POST(self) -> None:
+            self._dispatch("POST")
+
+        def do_PUT(self) -> None:
+            self._dispatch("PUT")
+
+        def do_DELETE(self) -> None:
+            self._dispatch("DELETE")
+
+        def _dispatch(self, method: str) -> None:
+            try:
+                if token is not None:
+                    given = self.headers.get("Authorization", "")
+                    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                        raise ApiError(401, "missing or wrong bearer token",
+                                       hint="send 'Authorization: Bearer <admin token>'")
+                path, _, query = self.path.partition("?")
+                name, params = self._route(method, path)
+                body = self._body(name) if method == "POST" else {}
+                if name == "metrics":
+                    self._send(200, api.metrics(ops), "text/plain; version=0.0.4; charset=utf-8")
+                    return
+                status, payload = api.handle(ops, name, params, _query(query), body)
+                self._send(status, json.dumps(payload).encode())
+            except ApiError as exc:
+                self._error(exc.status, exc.message, exc.hint)
+            except KvtierError as exc:
+                status = 404 if isinstance(exc, NotFoundError) else 400
+                self._error(status, exc.message if hasattr(exc, "message") else str(exc), getattr(exc, "hint", None))
+            except Exception as exc:  # never kill the server thread, never leak a traceback
+                log.exception("kvtier admin: %s %s failed", method, self.path)
+                self._error(500, f"internal error: {type(exc).__name__}", hint="see the server log")
+
+        def _route(self, method: str, path: str) -> tuple[str, dict]:
+            allowed = []
+            for route_method, pattern, name in _ROUTES:
+                match = pattern.match(path)
+                if match:
+                    if route_method == method:
+                        return name, match.groupdict()
+                    allowed.append(route_method)
+            if allowed:
+                raise ApiError(405, f"{method} is not allowed on {path}", hint=f"use {', '.join(allowed)}")
+            raise ApiError(404, f"no such route: {path}", hint="GET /v1/openapi.json lists the routes")
+
+        def _body(self, name: str) -> dict:
+            length = self.headers.get("Content-Length")
+            if self.headers.get("Transfer-Encoding"):
+                raise ApiError(411, "chunked bodies are not accepted", hint="send Content-Length")
+            try:
+                size = int(length or 0)
+            except ValueError:
+                raise ApiError(400, "bad Content-Length") from None
+            if size < 0:
+                raise ApiError(400, "bad Content-Length")
+            if size > MAX_BODY:
+                raise ApiError(413, f"body of {size} bytes is over the {MAX_BODY}-byte limit")
+            raw = self.rfile.read(size) if size else b"{}"
+            try:
+                body = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ApiError(400, f"malformed JSON body: {exc}", hint='send a JSON object, e.g. {"tier": "dram"}') \
+                    from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "the body must be a JSON object")
+            unknown = set(body) - _BODY_FIELDS[name]
+            if unknown:
+                raise ApiError(400, f"unknown field(s): {', '.join(sorted(map(str, unknown)))}",
+                               hint=f"{name} accepts: {', '.join(sorted(_BODY_FIELDS[name])) or 'no fields'}")
+            return body
+
+        def _error(self, status: int, message: str, hint: str | None) -> None:
+            payload = {"error": message, **({"hint": hint} if hint else {})}
+            try:
+                self._send(status, json.dumps(payload).encode())
+            except OSError:
+                pass
+
+        def _send(self, status: int, data: bytes, content_type: str = "application/json") -> None:
+            self.send_response(status, HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "")
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return Handler
+
+
+def _query(query: str) -> dict[str, str]:
+    from urllib.parse import parse_qsl
+
+    try:
+        return dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=20))
+    except ValueError as exc:
+        raise ApiError(400, f"bad query string: {exc}") from None
+
+
+def resolve_snapshot_path(ops: Ops, given: Any, session_id: str) -> Path:
+    """Where a snapshot goes: a path the caller gave, or ``<snapshot dir>/<session>.kvsnap``."""
+    if given is None:
+        if ops.snapshot_dir is None:
+            raise ApiError(400, "no snapshot directory is configured", hint='pass {"path": "/some/file.kvsnap"}')
+        return ops.snapshot_dir / f"{session_id}{SNAPSHOT_SUFFIX}"
+    if not isinstance(given, str) or not given or "\0" in given or len(given) > 4096:
+        raise ApiError(400, "path must be a non-empty string", hint="e.g. /data/snapshots/agent.kvsnap")
+    path = Path(given)
+    if not path.is_absolute():
+        if ".." in path.parts:
+            raise ApiError(400, f"relative path {given!r} leaves the snapshot directory",
+                           hint="give a plain file name, or an absolute path")
+        if ops.snapshot_dir is None:
+            raise ApiError(400, "a relative path needs a snapshot directory", hint="give an absolute path")
+        path = ops.snapshot_dir / path
+    return path

@@ -1,0 +1,222 @@
+"""The admin API and the session CLI: CliRunner against a real server on a real Unix socket, backed by
+a real TierEngine (DRAM arena, NVMe files) whose jobs run on an engine thread, as in vLLM."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import make_engine
+from kvtier.cli.main import app
+from kvtier.control.client import AdminClient
+from kvtier.control.local import LocalAdmin
+from kvtier.index import chain_block_hashes, namespace_of
+
+runner = CliRunner()
+
+
+def keys_of(seed: int, blocks: int) -> list[bytes]:
+    return chain_block_hashes(list(range(seed * 10_000, seed * 10_000 + blocks * 16)), 16)
+
+
+@pytest.fixture
+def server(fingerprint, hbm, tmp_path):
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=16, nvme_blocks=64)
+    ns = namespace_of(fingerprint.digest)
+    engine.store("agent-1", ns, keys_of(1, 4), [0, 1, 2, 3], num_tokens=64)
+    engine.store("agent-2", ns, keys_of(2, 2), [4, 5], num_tokens=40)
+    sock = tmp_path / "run" / "kvtier.sock"
+    admin = LocalAdmin(engine, sock, snapshot_dir=tmp_path / "snapshots").start()
+    admin.sock = str(sock)
+    admin.ns = ns
+    yield admin
+    admin.stop()
+    engine.close(write_back=False)
+
+
+def cli(admin, *args):
+    result = runner.invoke(app, [*args, "--socket", admin.sock] if args[0] != "snapshot" else
+                           [args[0], *args[1:], "--socket", admin.sock])
+    return result
+
+
+def test_socket_is_private(server):
+    mode = os.stat(server.sock).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(server.sock)).st_mode) == 0o700
+
+
+def test_status_sessions_inspect(server):
+    result = cli(server, "status", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["model"] == "test-model" and doc["tiers"]["dram"]["blocks"] == 6
+    assert doc["tiers"]["dram"]["tokens_per_gib"] > 0 and doc["sessions"]["warm"] == 2
+    table = cli(server, "status")
+    assert table.exit_code == 0 and "tokens/GiB" in table.output
+    listed = json.loads(cli(server, "sessions", "--json", "--sort", "tokens").output)
+    assert [s["session_id"] for s in listed["sessions"]] == ["agent-1", "agent-2"]
+    assert json.loads(cli(server, "sessions", "--json", "--state", "cold").output)["sessions"] == []
+    one = json.loads(cli(server, "inspect", "agent-1", "--json").output)
+    assert one["blocks_dram"] == 4 and one["tokens"] == 64 and one["codec_dram"] == "none"
+    assert "agent-1" in cli(server, "inspect", "agent-1").output
+
+
+def test_pin_evict_snapshot_restore_through_the_cli(server, tmp_path):
+    assert cli(server, "pin", "agent-1", "--tier", "nvme").exit_code == 0
+    assert json.loads(cli(server, "inspect", "agent-1", "--json").output)["pinned"] == "nvme"
+    assert cli(server, "unpin", "agent-1").exit_code == 0
+    result = cli(server, "evict", "agent-1", "--to", "nvme")
+    assert result.exit_code == 0, result.output
+    info = json.loads(cli(server, "inspect", "agent-1", "--json").output)
+    assert info["blocks_nvme"] == 4 and info["blocks_dram"] == 0 and info["state"] == "cold"
+    assert cli(server, "evict", "agent-1", "--to", "dram").exit_code == 0
+    assert json.loads(cli(server, "inspect", "agent-1", "--json").output)["blocks_dram"] == 4
+    snap = cli(server, "snapshot", "agent-1", "--json")
+    assert snap.exit_code == 0, snap.output
+    job = json.loads(snap.output)
+    assert job["state"] == "done" and job["path"].endswith("agent-1.kvsnap")
+    out = tmp_path / "elsewhere.kvsnap"
+    assert cli(server, "snapshot", "agent-2", "--out", str(out)).exit_code == 0 and out.is_file()
+    assert runner.invoke(app, ["snapshot", "verify", job["path"]]).exit_code == 0  # offline, no server
+    # drop it everywhere, then restore it from the file
+    assert cli(server, "evict", "agent-1", "--to", "drop", "--yes").exit_code == 0
+    assert server.engine.manager.lookup(server.ns, keys_of(1, 4)) == []
+    restored = cli(server, "restore", job["path"], "--tier", "nvme")
+    assert restored.exit_code == 0, restored.output
+    assert len(server.engine.manager.lookup(server.ns, keys_of(1, 4))) == 4
+    jobs = json.loads(cli(server, "jobs", "--json").output)["jobs"]
+    assert {j["kind"] for j in jobs} >= {"pin", "evict", "snapshot", "restore"}
+    assert all(j["state"] == "done" for j in jobs)
+
+
+def test_no_wait_returns_a_job_id_and_busy_sessions_refuse_a_second_write(server):
+    server.paused.set()  # the engine thread holds jobs: the snapshot stays in flight
+    result = cli(server, "snapshot", "agent-1", "--no-wait", "--json")
+    job = json.loads(result.output)
+    assert job["state"] in ("queued", "running")
+    busy = cli(server, "evict", "agent-1", "--to", "nvme")
+    assert busy.exit_code == 1 and "in progress" in busy.output and f"kvtier jobs {job['id']}" in busy.output
+    server.paused.clear()
+    server.drain()
+    assert json.loads(cli(server, "jobs", str(job["id"]), "--json").output)["state"] == "done"
+    assert cli(server, "evict", "agent-1", "--to", "nvme").exit_code == 0
+
+
+@pytest.mark.parametrize("args, code, text", [
+    (("inspect", "nobody"), 4, "nobody"),
+    (("inspect", "../../etc/passwd"), 2, "invalid session id"),
+    (("pin", "agent-1", "--tier", "hbm"), 2, "tier must be one of"),
+    (("evict", "agent-1", "--to", "tape"), 2, "to must be one of"),
+    (("snapshot", "nobody"), 4, "nobody"),
+    (("restore", "/does/not/exist.kvsnap"), 4, "does not exist"),
+    (("jobs", "999999"), 4, "no job"),
+    (("sessions", "--state", "lukewarm"), 2, "unknown state"),
+])
+def test_bad_input_is_a_clear_error_and_changes_nothing(server, args, code, text):
+    before = server.engine.manager.stats()
+    result = cli(server, *args)
+    assert result.exit_code == code, result.output
+    assert text in result.output and "hint:" in result.output and "Traceback" not in result.output
+    after = server.engine.manager.stats()
+    assert before["dram"] == after["dram"] and before["nvme"] == after["nvme"]
+
+
+def raw(sock_path: str, request: bytes) -> tuple[int, dict]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(sock_path)
+        s.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int([line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")][0])
+        while len(body) < length:
+            body += s.recv(65536)
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"POST /v1/sessions/agent-1/pin HTTP/1.1\r\nContent-Length: 9\r\n\r\n{not json", 400),
+    (b"POST /v1/sessions/agent-1/pin HTTP/1.1\r\nContent-Length: 2\r\n\r\n[]", 400),
+    (b"POST /v1/sessions/agent-1/pin HTTP/1.1\r\nContent-Length: 15\r\n\r\n{\"tier\": \"x\"}  ", 400),
+    (b"POST /v1/sessions/agent-1/pin HTTP/1.1\r\nContent-Length: 13\r\n\r\n{\"rm\": \"-rf\"}", 400),
+    (b"POST /v1/sessions/agent-1/pin HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n{}", 413),
+    (b"POST /v1/sessions/agent-1/snapshot HTTP/1.1\r\nContent-Length: 26\r\n\r\n{\"path\": \"../../etc/x.kv\"}", 400),
+    (b"GET /v1/sessions/..%2F..%2Fetc HTTP/1.1\r\n\r\n", 400),
+    (b"GET /v1/nothing HTTP/1.1\r\n\r\n", 404),
+    (b"DELETE /v1/status HTTP/1.1\r\n\r\n", 405),
+    (b"GET /v1/sessions?limit=abc HTTP/1.1\r\n\r\n", 400),
+])
+def test_malformed_requests_get_json_errors(server, request_bytes, status):
+    got, body = raw(server.sock, request_bytes)
+    assert got == status and body["error"]
+    assert AdminClient(server.sock).get("/v1/status")["tiers"]["dram"]["blocks"] == 6  # still serving
+
+
+def test_metrics_in_prometheus_text(server):
+    cli(server, "evict", "agent-2", "--to", "nvme")
+    text = AdminClient(server.sock).request("GET", "/metrics", raw=True)
+    assert 'kvtier_tier_bytes{tier="dram"}' in text and 'kvtier_sessions{state="warm"} 1.0' in text
+    assert 'kvtier_job_seconds_count{kind="evict"} 1.0' in text
+    assert "kvtier_link_bytes" in text
+
+
+def test_no_server_is_exit_code_3(tmp_path):
+    result = runner.invoke(app, ["status", "--socket", str(tmp_path / "none.sock")])
+    assert result.exit_code == 3 and "kvtier serve" in result.output
+
+
+def test_tcp_needs_the_token(fingerprint, hbm, tmp_path):
+    from kvtier.errors import KvtierError, UsageError
+
+    engine = make_engine(fingerprint, hbm, tmp_path, nvme_blocks=0)
+    with pytest.raises(UsageError):
+        LocalAdmin(engine, tmp_path / "a.sock", tcp=("0.0.0.0", 0), token="t")  # loopback only
+    with pytest.raises(UsageError):
+        LocalAdmin(engine, tmp_path / "a.sock", tcp=("127.0.0.1", 0))  # a token is required
+    admin = LocalAdmin(engine, tmp_path / "b.sock", tcp=("127.0.0.1", 0), token="s3cret-token").start()
+    try:
+        url = f"http://127.0.0.1:{admin.server.tcp_port}"
+        with pytest.raises(KvtierError) as err:
+            AdminClient(url=url).get("/v1/status")
+        assert "token" in str(err.value)
+        with pytest.raises(KvtierError):
+            AdminClient(url=url, token="wrong").get("/v1/status")
+        assert AdminClient(url=url, token="s3cret-token").get("/v1/status")["model"] == "test-model"
+    finally:
+        admin.stop()
+
+
+def test_a_second_server_on_a_live_socket_is_refused(server, fingerprint, hbm, tmp_path):
+    from kvtier.errors import UsageError
+
+    other = make_engine(fingerprint, hbm, tmp_path / "other", nvme_blocks=0)
+    with pytest.raises(UsageError) as err:
+        LocalAdmin(other, server.sock).start()
+    assert "already listening" in err.value.message
+
+
+def test_concurrent_clients(server):
+    errors = []
+
+    def reader():
+        client = AdminClient(server.sock)
+        try:
+            for _ in range(50):
+                client.get("/v1/sessions")
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
