@@ -220,3 +220,28 @@ def test_concurrent_clients(server):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_fuzz_finds_no_crash_and_no_accepted_invalid_request(server, tmp_path):
+    from kvtier.bench.admin import fuzz
+
+    counts = fuzz(server.sock, 80, seed=1, snapshot_dir=tmp_path / "snapshots")
+    assert counts["requests"] == 80
+    assert counts["crashes"] == 0 and counts["accepted_invalid"] == 0
+    assert AdminClient(server.sock).get("/v1/status")["model"] == "test-model"
+
+
+def test_fuzz_oracle_flags_what_a_lax_server_would_accept(server, monkeypatch):
+    """The fuzz harness can fail: a server that accepted unknown fields would be counted."""
+    from kvtier.bench.admin import _send, is_valid_request
+    from kvtier.control import server as srv
+
+    body = b'{"tier": "dram", "extra": 1}'
+    request = (b"POST /v1/sessions/agent-2/pin HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+    assert not is_valid_request("POST", "/v1/sessions/agent-2/pin", body)
+    assert _send(server.sock, request) == 400  # the real server refuses it
+    monkeypatch.setitem(srv._BODY_FIELDS, "pin", {"tier", "extra"})  # a lax server
+    assert _send(server.sock, request) == 202  # ...accepts it: the oracle above would count it
+    assert is_valid_request("POST", "/v1/sessions/agent-2/pin", b'{"tier": "nvme"}')
+    assert not is_valid_request("POST", "/v1/sessions/agent-2/snapshot", b'{"path": "../x.kvsnap"}')
+    assert not is_valid_request("GET", "/v1/sessions/../etc", None)

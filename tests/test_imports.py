@@ -55,3 +55,22 @@ def test_scheduler_side_modules_import_no_torch():
                             "kvtier.snapshot, kvtier.tiers.nvme")
     assert "kvtier" in loaded
     assert not loaded & {"torch", "vllm", "textual"}
+
+
+def test_kvtier_status_imports_no_torch(tmp_path):
+    # no server: the command fails with exit 3, having loaded only the client side
+    code = (
+        "import sys\n"
+        "from kvtier.cli.main import app\n"
+        "try:\n"
+        f"    app(['status', '--socket', '{tmp_path}/none.sock'], prog_name='kvtier')\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 3, exc.code\n"
+    )
+    loaded = _modules_after(code)
+    assert "kvtier" in loaded and not loaded & {"torch", "vllm", "textual", "numpy"}
+
+
+def test_admin_server_modules_import_no_torch():
+    loaded = _modules_after("import kvtier.control.server, kvtier.control.api, kvtier.control.client")
+    assert not loaded & {"torch", "vllm", "textual"}

@@ -19,9 +19,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: `kvtier --help` must not load rich's markdown stack
 )
 bench_app = typer.Typer(help="Benchmarks; every figure is a ratio against a same-process reference.",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 class _SnapshotGroup(TyperGroup):
     """``kvtier snapshot SESSION`` (take one, through the server) beside ``snapshot inspect|verify FILE``."""
 
@@ -34,10 +35,11 @@ class _SnapshotGroup(TyperGroup):
         formatter.write_usage("kvtier snapshot", "SESSION [--out FILE] | inspect FILE | verify FILE")
 
 
-snapshot_app = typer.Typer(cls=_SnapshotGroup, no_args_is_help=True,
+snapshot_app = typer.Typer(cls=_SnapshotGroup, no_args_is_help=True, rich_markup_mode=None,
                            help="kvtier snapshot SESSION [--out FILE]: save a session to a portable file "
                                 "(through the server). inspect / verify FILE work with no server.")
-config_app = typer.Typer(help="Settings: flag > KVTIER_* env > kvtier.toml > defaults.", no_args_is_help=True)
+config_app = typer.Typer(help="Settings: flag > KVTIER_* env > kvtier.toml > defaults.", no_args_is_help=True,
+                         rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(config_app, name="config")
@@ -187,6 +189,24 @@ def bench_codecs(
     results = run_codecs_bench(quick=quick, directory=str(directory) if directory else None,
                                progress=bench_progress(json_out))
     emit_bench("kvtier bench codecs", codec_keys(), results, json_out)
+
+
+@bench_app.command("admin")
+@handle_errors
+def bench_admin(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quick: bool = typer.Option(False, "--quick", help="10 s of latency, 300 fuzz requests."),
+    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Load a real vLLM engine (else an in-process one)."),
+) -> None:
+    """Admin API p99 latency under load, and a fuzz run of malformed requests."""
+    import contextlib
+    import sys
+
+    from kvtier.bench.admin import ADMIN_KEYS, run_admin_bench
+
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
+        results = run_admin_bench(quick=quick, progress=bench_progress(json_out), vllm=vllm)
+    emit_bench("kvtier bench admin", ADMIN_KEYS, results, json_out)
 
 
 QUALITY_KEYS = ("size_ratio", "top1_agreement", "kl", "needle_acc_128k", "rel_mse_k", "rel_mse_v")

@@ -142,8 +142,16 @@ def _evict(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
 
 def _snapshot(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
     path = resolve_snapshot_path(ops, body.get("path"), session)
-    if path.exists() and path.is_dir():
-        raise ApiError(400, f"{path} is a directory", hint="give a file path")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise ApiError(400, f"{path} is not a regular file", hint="give a new file path")
+    if path.exists():
+        from kvtier.snapshot import SnapshotError, open_snapshot
+
+        try:
+            open_snapshot(path)
+        except SnapshotError:
+            raise ApiError(400, f"{path} exists and is not a kvtier snapshot",
+                           hint="kvtier only overwrites its own snapshot files; choose another path") from None
     if not path.parent.is_dir():
         if path.parent == ops.snapshot_dir:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -147,12 +147,17 @@ class Ops:
                            hint=f"wait for it: kvtier jobs {running}, then retry")
 
 
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _Quiet:
+    def handle_error(self, request, client_address) -> None:  # a client that hung up is not news
+        log.debug("kvtier admin: connection error", exc_info=True)
+
+
+class _UnixServer(_Quiet, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     allow_reuse_address = True
 
 
-class _TcpServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+class _TcpServer(_Quiet, socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
@@ -276,6 +281,11 @@ def _make_handler(ops: Ops, token: str | None):
         def do_DELETE(self) -> None:
             self._dispatch("DELETE")
 
+        def __getattr__(self, name: str):
+            if name.startswith("do_"):  # any other method: 405 from the router, not http.server's 501
+                return lambda: self._dispatch(name[3:])
+            raise AttributeError(name)
+
         def _dispatch(self, method: str) -> None:
             try:
                 if token is not None:
@@ -340,6 +350,7 @@ def _make_handler(ops: Ops, token: str | None):
 
         def _error(self, status: int, message: str, hint: str | None) -> None:
             payload = {"error": message, **({"hint": hint} if hint else {})}
+            self.close_connection = True  # an unread body must not be taken for the next request
             try:
                 self._send(status, json.dumps(payload).encode())
             except OSError:
@@ -349,6 +360,8 @@ def _make_handler(ops: Ops, token: str | None):
             self.send_response(status, HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "")
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
@@ -372,6 +385,9 @@ def resolve_snapshot_path(ops: Ops, given: Any, session_id: str) -> Path:
         return ops.snapshot_dir / f"{session_id}{SNAPSHOT_SUFFIX}"
     if not isinstance(given, str) or not given or "\0" in given or len(given) > 4096:
         raise ApiError(400, "path must be a non-empty string", hint="e.g. /data/snapshots/agent.kvsnap")
+    if not given.endswith(SNAPSHOT_SUFFIX):
+        raise ApiError(400, f"snapshot path {given!r} does not end in {SNAPSHOT_SUFFIX}",
+                       hint=f"name snapshot files *{SNAPSHOT_SUFFIX} (kvtier never overwrites other files)")
     path = Path(given)
     if not path.is_absolute():
         if ".." in path.parts:
