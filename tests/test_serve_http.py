@@ -87,3 +87,76 @@ def test_chat_through_kvtier_serve_reloads_session_after_prefix_reset(tiny_model
     # no process of the server's group is left behind
     leftovers = subprocess.run(["pgrep", "-g", str(server.pid)], capture_output=True, text=True).stdout.split()
     assert all(process_gone(int(pid)) for pid in leftovers)
+
+
+def _serve(tiny_model, tmp_path, port: int, env: dict, log_name: str) -> subprocess.Popen:
+    log = open(tmp_path / log_name, "w")
+    cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", str(tiny_model), "--port", str(port),
+           "--dram", "256MiB", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "1GiB",
+           "--", "--max-model-len", "4096", "--enforce-eager", "--served-model-name", "tiny"]
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(server: subprocess.Popen) -> int:
+    server.send_signal(signal.SIGTERM)
+    try:
+        return server.wait(timeout=90)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_snapshot_restart_restore_through_the_cli(tiny_model, tmp_path):
+    """Chat in session A, snapshot A with the CLI, restart the server (tiers wiped), restore A,
+    and A's next turn loads from kvtier with the same output as before the restart."""
+    import json
+    import shutil
+
+    port = free_port()
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(tmp_path), VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PYTHONUNBUFFERED="1", XDG_RUNTIME_DIR=str(run_dir),
+               KVTIER_SNAPSHOT_DIR=str(tmp_path / "snapshots"))
+    base = f"http://127.0.0.1:{port}"
+    long_context = " ".join(f"class Widget{i}: size = {i}" for i in range(150))
+    messages = [{"role": "user", "content": long_context}]
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", *args], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    def turn(client):
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                              seed=0, extra_headers={"X-Session-ID": "agent-a"})
+
+    server = _serve(tiny_model, tmp_path, port, env, "first.log")
+    try:
+        wait_ready(base, server)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        first = turn(client)
+        sessions = json.loads(cli("sessions", "--json"))["sessions"]
+        assert [s["session_id"] for s in sessions if s["session_id"] == "agent-a"] == ["agent-a"]
+        job = json.loads(cli("snapshot", "agent-a", "--json"))
+        assert job["state"] == "done" and job["path"].endswith("agent-a.kvsnap")
+    finally:
+        assert _stop(server) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    snapshot = job["path"]
+    shutil.rmtree(tmp_path / "nvme")  # the next morning: nothing but the snapshot file
+    assert "agent-a" in cli("snapshot", "inspect", snapshot)  # offline, no server
+
+    server = _serve(tiny_model, tmp_path, port, env, "second.log")
+    try:
+        wait_ready(base, server)
+        restored = json.loads(cli("restore", snapshot, "--json"))
+        assert restored["state"] == "done", restored
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        again = turn(client)
+        assert again.choices[0].message.content == first.choices[0].message.content
+        loaded = again.kv_transfer_params["kvtier"]["loaded_tokens"]
+        assert loaded >= 0.9 * again.usage.prompt_tokens - 128
+        status = json.loads(cli("status", "--json"))
+        assert status["counters"]["restored_blocks"] >= loaded // 128
+    finally:
+        assert _stop(server) == 0, (tmp_path / "second.log").read_text()[-3000:]

@@ -89,6 +89,7 @@ class KVTierScheduler:
         self.ops = None
         self.admin = None
         self._api_url = extra.get("api_url")
+        self._served_name = str(extra.get("model_id") or fingerprint.model_id.rpartition("@")[0])
         self._waking = threading.Lock()
         if extra.get("admin_socket"):
             self._start_admin(extra)
@@ -122,14 +123,18 @@ class KVTierScheduler:
 
         def poke() -> None:
             try:
-                body = json.dumps({"model": self.fingerprint.model_id, "prompt": ".", "max_tokens": 1}).encode()
+                body = json.dumps({"model": self._served_name, "prompt": ".", "max_tokens": 1}).encode()
                 request = urllib.request.Request(self._api_url.rstrip("/") + "/completions", data=body,
                                                  headers={"Content-Type": "application/json"})
                 urllib.request.urlopen(request, timeout=30).read()
             except Exception as exc:  # the job still runs with the next real request
                 log.debug("kvtier: wake request failed: %s", exc)
-            finally:
-                self._waking.release()
+                return self._waking.release()
+            self._waking.release()
+            with self.lock:
+                pending = bool(self._jobs)
+            if pending:  # queued after our step was built: one more step
+                self.wake()
 
         threading.Thread(target=poke, name="kvtier-wake", daemon=True).start()
 
