@@ -71,29 +71,41 @@ def _compile() -> dict[str, Any]:
                     out[r, j] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
     @njit(parallel=True, cache=True)
-    def int4_dec(kq, vq, klut, vlut, o_idx, o_val, out):  # pragma: no cover - compiled
-        # out: [L, H, 2, B, D] as 16-bit words; klut: [L, H, B/gk, D, 16]; vlut: [L, H, B, D/gv, 16]
-        L, H, _, B, D = out.shape
-        gk = B // klut.shape[2]
-        gv = D // vlut.shape[3]
-        n_out = o_idx.shape[2]
-        for lh in prange(L * H):
-            l = lh // H
-            h = lh % H
-            base = lh * B * D
+    def int4_dec(kq, vq, ks, km, vs, vm, o_idx, o_val, out):  # pragma: no cover - compiled
+        # out: [LH, 2, B, D] bf16 bits; ks/km: [LH, B/gk, D]; vs/vm: [LH, B, D/gv] (float32)
+        LH, _, B, D = out.shape
+        gk = B // ks.shape[1]
+        gv = D // vs.shape[2]
+        half = D // 2
+        n_out = o_idx.shape[1]
+        for lh in prange(LH):
+            tmp = np.empty(D, np.float32)
+            bits = tmp.view(np.uint32)
+            base = lh * B * half
             for b in range(B):
-                g = b // gk
-                row = base + b * D
-                for j in range(D // 2):
-                    byte = kq[(row >> 1) + j]
-                    out[l, h, 0, b, 2 * j] = klut[l, h, g, 2 * j, byte & 15]
-                    out[l, h, 0, b, 2 * j + 1] = klut[l, h, g, 2 * j + 1, byte >> 4]
-                for j in range(D // 2):
-                    byte = vq[(row >> 1) + j]
-                    out[l, h, 1, b, 2 * j] = vlut[l, h, b, (2 * j) // gv, byte & 15]
-                    out[l, h, 1, b, 2 * j + 1] = vlut[l, h, b, (2 * j + 1) // gv, byte >> 4]
-                for o in range(n_out):
-                    out[l, h, 0, b, o_idx[l, h, o]] = o_val[l, h, b, o]
+                s = ks[lh, b // gk]
+                m = km[lh, b // gk]
+                off = base + b * half
+                for j in range(half):  # code * scale + zero point, as the torch reference computes it
+                    byte = kq[off + j]
+                    tmp[2 * j] = np.float32(byte & 15) * s[2 * j] + m[2 * j]
+                    tmp[2 * j + 1] = np.float32(byte >> 4) * s[2 * j + 1] + m[2 * j + 1]
+                row = out[lh, 0, b]
+                for d in range(D):  # float32 -> bf16, round to nearest even
+                    u = bits[d]
+                    row[d] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                for o in range(n_out):  # exact outlier channels (int4-lc)
+                    row[o_idx[lh, o]] = o_val[lh, b, o]
+                vsr = vs[lh, b]
+                vmr = vm[lh, b]
+                for j in range(half):
+                    byte = vq[off + j]
+                    tmp[2 * j] = np.float32(byte & 15) * vsr[(2 * j) // gv] + vmr[(2 * j) // gv]
+                    tmp[2 * j + 1] = np.float32(byte >> 4) * vsr[(2 * j + 1) // gv] + vmr[(2 * j + 1) // gv]
+                row = out[lh, 1, b]
+                for d in range(D):
+                    u = bits[d]
+                    row[d] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
     return {"fp8_lut": fp8_lut, "int8": int8_dec, "int4": int4_dec}
 
@@ -142,29 +154,25 @@ def int8_decode(q: "torch.Tensor", scale: "torch.Tensor", out: "torch.Tensor") -
 
 def int4_decode(kq: "torch.Tensor", vq: "torch.Tensor", parts: dict, out: "torch.Tensor", gk: int, gv: int,
                 outliers: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> bool:
-    """Nibbles -> 16-bit values through per-group tables of the 16 levels, built by torch with the
-    reference's float32 arithmetic (so the bits match it); outlier key channels written last."""
+    """Nibbles -> bf16 with the reference's float32 arithmetic; outlier key channels written after."""
     import torch
 
-    if not (out.device.type == "cpu" and out.element_size() == 2 and out.dtype.is_floating_point
-            and out.is_contiguous() and kq.device.type == "cpu"):
+    if not _applies(out) or kq.device.type != "cpu":
         return False
     kernels = _load()
     if kernels is None:
         return False
     L, H, _, B, D = out.shape
-    levels = torch.arange(16, dtype=torch.float32)
-    kscale = parts["k_scale"].view(L, H, B // gk, D, 1).float()
-    kmin = parts["k_min"].view(L, H, B // gk, D, 1).float()
-    klut = (levels * kscale + kmin).to(out.dtype).view(torch.int16)
-    vscale = parts["v_scale"].view(L, H, B, D // gv, 1).float()
-    vmin = parts["v_min"].view(L, H, B, D // gv, 1).float()
-    vlut = (levels * vscale + vmin).to(out.dtype).view(torch.int16)
+    ks = parts["k_scale"].view(L * H, B // gk, D).float().numpy()
+    km = parts["k_min"].view(L * H, B // gk, D).float().numpy()
+    vs = parts["v_scale"].view(L * H, B, D // gv).float().numpy()
+    vm = parts["v_min"].view(L * H, B, D // gv).float().numpy()
     if outliers is None:
-        o_idx = torch.zeros((L, H, 0), dtype=torch.uint8)
-        o_val = torch.zeros((L, H, B, 0), dtype=torch.int16)
+        o_idx = torch.zeros((L * H, 0), dtype=torch.uint8)
+        o_val = torch.zeros((L * H, B, 0), dtype=torch.uint16)
     else:
-        o_idx, o_val = outliers[0], outliers[1].view(torch.int16)
-    kernels["int4"](kq.numpy(), vq.numpy(), klut.numpy(), vlut.numpy(), o_idx.numpy(), o_val.numpy(),
-                    out.view(torch.int16).numpy())
+        o_idx = outliers[0].reshape(L * H, -1)
+        o_val = outliers[1].view(torch.uint16).reshape(L * H, B, -1)
+    kernels["int4"](kq.numpy(), vq.numpy(), ks, km, vs, vm, o_idx.numpy(), o_val.numpy(),
+                    out.view(torch.uint16).view(L * H, 2, B, D).numpy())
     return True
