@@ -5,7 +5,8 @@
   encode over the same memcpy (stricter than a memcpy of the smaller encoded output).
 * ``<codec>_restore_vs_raw_read``: uncompressed KV bytes per second restored from the NVMe tier
   (page cache dropped, reads on the store's IO threads overlapping the decode) over the raw
-  sequential direct-IO read bandwidth of the same disk with 8 MiB requests.
+  sequential direct-IO read bandwidth of the same disk with 8 MiB requests (the disk's best);
+  the same ratio against raw 2 MiB reads (the tier's IO size) is reported beside it.
 
 Blocks have the mid demo model's geometry (16 layers, 4 KV heads, head_dim 64, 128 tokens: 2 MiB
 in bf16); the data is Gaussian with outlier key channels, as real keys have. Each ratio is the
@@ -78,7 +79,8 @@ def _throughput(spec: str, blocks, reps: int) -> dict:
     }, payloads, sizes
 
 
-def _restore(spec: str, payloads, sizes, directory: Path, raw: RawDirectIO, reps: int) -> dict:
+def _restore(spec: str, payloads, sizes, directory: Path, raw: RawDirectIO, reps: int,
+             raw_small: RawDirectIO | None = None) -> dict:
     import torch
 
     from kvtier.codecs import get_codec
@@ -111,13 +113,16 @@ def _restore(spec: str, payloads, sizes, directory: Path, raw: RawDirectIO, reps
         return time.perf_counter() - start
 
     try:
-        ratio, detail = _paired_ratio(raw.read, restore, reps)
+        ratio, detail = _paired_ratio(raw.read, restore, reps, second=raw_small.read if raw_small else None)
     finally:
         store.close()
         shutil.rmtree(root, ignore_errors=True)
     gib = out.numel() * out.element_size() / 2**30  # = raw.nbytes: both sides deliver the same bytes
-    return {f"{spec}_restore_vs_raw_read": ratio, f"_{spec}_restore_gib_s": gib / detail["measured_s"],
-            "_raw_read_gib_s": raw.nbytes / 2**30 / detail["reference_s"]}
+    out = {f"{spec}_restore_vs_raw_read": ratio, f"_{spec}_restore_gib_s": gib / detail["measured_s"],
+           "_raw_read_gib_s": raw.nbytes / 2**30 / detail["reference_s"]}
+    if "second_ratio" in detail:  # against raw reads of the tier's own IO size (2 MiB)
+        out[f"_{spec}_restore_vs_raw_read_2mib_io"] = detail["second_ratio"]
+    return out
 
 
 def _geometry():
@@ -144,13 +149,16 @@ def run_codecs_bench(quick: bool = False, directory: str | None = None,
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-codecs-", dir=base) as tmp:
         raw = RawDirectIO(Path(tmp), blocks_n * (2 << 20), chunk=8 << 20)
         raw.write()
+        raw_small = RawDirectIO(Path(tmp), blocks_n * (2 << 20), chunk=2 << 20)
+        raw_small.write()
         try:
             for spec in codecs:
                 progress(f"codec {spec}: encode / decode vs memcpy")
                 figures, payloads, sizes = _throughput(spec, blocks, reps)
                 results.update(figures)
                 progress(f"codec {spec}: restore from the NVMe tier vs raw direct-IO read")
-                results.update(_restore(spec, payloads, sizes, Path(tmp), raw, reps))
+                results.update(_restore(spec, payloads, sizes, Path(tmp), raw, reps, raw_small))
         finally:
             raw.close()
+            raw_small.close()
     return results
