@@ -32,13 +32,15 @@ BLOCK = 128  # vLLM's CPU block size
 GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
 
 
-def make_llm(model: str, nvme_dir=None, connector=True, dram_bytes=256 << 20, max_batched=2048, max_len=4096):
+def make_llm(model: str, nvme_dir=None, connector=True, dram_bytes=256 << 20, max_batched=2048, max_len=4096,
+             extra_config: dict | None = None, **llm_kwargs):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kwargs = {}
+    kwargs = dict(llm_kwargs)
     if connector:
         extra = {"dram_bytes": dram_bytes, "model_id": "kvtier-demo-tiny", "synchronous": True}
+        extra.update(extra_config or {})
         if nvme_dir is not None:
             extra.update(nvme_dir=str(nvme_dir), nvme_bytes=1 << 30)
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -82,9 +84,9 @@ def close(llm) -> None:
     gc.collect()
 
 
-def baseline(model, prompts: list[list[int]]) -> list:
+def baseline(model, prompts: list[list[int]], **llm_kwargs) -> list:
     """The same prompts, in order, on an engine without any connector (its own prefix cache on)."""
-    llm = make_llm(str(model), connector=False)
+    llm = make_llm(str(model), connector=False, **llm_kwargs)
     try:
         return [run(llm, p) for p in prompts]
     finally:
@@ -273,3 +275,41 @@ def test_preemption_keeps_outputs_correct(tiny_model, tmp_path):
     assert stats["counters"]["preempted_requests"] > 0  # the scenario really preempted
     assert tiered == plain
     assert stats["counters"]["stored_blocks"] >= 4 * (1000 // BLOCK)
+
+
+def test_fp8_kv_cache_blocks_are_stored_as_they_are(tiny_model, tmp_path):
+    """vLLM's own fp8 KV cache: kvtier stores the 1-byte blocks unchanged (warm codec fp8 = as is),
+    and a reloaded turn gives the same output as vLLM's own prefix cache would."""
+    history = prompt_of(31, 1100)
+    follow_up = history + prompt_of(32, 100)
+    plain = baseline(tiny_model, [history, follow_up], kv_cache_dtype="fp8")[1]
+    llm = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme", kv_cache_dtype="fp8",
+                   extra_config={"warm_codec": "fp8", "cold_codec": "fp8+zstd"})
+    run(llm, history)
+    manager = scheduler_connector(llm).manager
+    assert manager.fingerprint.geometry.itemsize == 1 and manager.warm_codec == "none"
+    assert manager.slots.slot_bytes == manager.fingerprint.geometry.block_bytes  # half of bf16, no re-encoding
+    evict_first_session_to_nvme(llm)
+    llm.reset_prefix_cache()
+    tiered = run(llm, follow_up)
+    assert tiered.num_cached_tokens == plain.num_cached_tokens
+    assert same_output(plain, tiered)
+    assert manager.counters["hit_nvme_blocks"] > 0
+    close(llm)
+
+
+def test_lossy_cold_codec_through_vllm(tiny_model, tmp_path):
+    """int4-lc on the cold tier: the turn loads from NVMe through the decoder and still completes;
+    the greedy tokens match the uncompressed run (the tiny model is robust to this error)."""
+    history = prompt_of(33, 1100)
+    follow_up = history + prompt_of(34, 60)
+    plain = baseline(tiny_model, [history, follow_up])[1]
+    llm = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme", extra_config={"cold_codec": "int4-lc"})
+    run(llm, history)
+    evict_first_session_to_nvme(llm)
+    llm.reset_prefix_cache()
+    tiered = run(llm, follow_up)
+    manager = scheduler_connector(llm).manager
+    assert manager.counters["hit_nvme_blocks"] > 0 and tiered.num_cached_tokens == plain.num_cached_tokens
+    assert list(tiered.outputs[0].token_ids)[:2] == list(plain.outputs[0].token_ids)[:2]
+    close(llm)

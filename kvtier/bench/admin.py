@@ -186,20 +186,28 @@ def fuzz(sock_path: str, examples: int, seed: int = 0, snapshot_dir: Path | None
     return counts
 
 
-def run_local_load_latency(seconds: float, progress: Callable[[str], None]) -> dict:
-    """Admin latency against an in-process tier engine storing and loading in a loop."""
+def _local_engine(name: str, shape: tuple, hbm_blocks: int, dram_blocks: int, directory: Path):
+    """A TierEngine on random CPU-layout 'HBM' with an NVMe tier under ``directory``."""
     import torch
 
-    from kvtier.control.local import LocalAdmin
     from kvtier.engine import TierEngine
-    from kvtier.index import chain_block_hashes, namespace_of
     from kvtier.layout import CpuLayout, KVGeometry, ModelFingerprint
 
-    geometry = KVGeometry(4, 2, 64, 128)
-    fingerprint = ModelFingerprint("bench-admin", geometry)
-    hbm = [torch.randn(CpuLayout(geometry).layer_shape(64)).to(torch.bfloat16) for _ in range(4)]
+    geometry = KVGeometry(*shape)
+    fingerprint = ModelFingerprint(name, geometry)
+    hbm = [torch.randn(CpuLayout(geometry).layer_shape(hbm_blocks)).to(torch.bfloat16)
+           for _ in range(geometry.num_layers)]
+    engine = TierEngine(fingerprint, dram_blocks * geometry.block_bytes, directory / "nvme", 1 << 30, kv_layers=hbm)
+    return engine, fingerprint
+
+
+def run_local_load_latency(seconds: float, progress: Callable[[str], None]) -> dict:
+    """Admin latency against an in-process tier engine storing and loading in a loop."""
+    from kvtier.control.local import LocalAdmin
+    from kvtier.index import chain_block_hashes, namespace_of
+
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-admin-") as tmp:
-        engine = TierEngine(fingerprint, 256 * geometry.block_bytes, Path(tmp) / "nvme", 1 << 30, kv_layers=hbm)
+        engine, fingerprint = _local_engine("bench-admin", (4, 2, 64, 128), 64, 256, Path(tmp))
         admin = LocalAdmin(engine, Path(tmp) / "admin.sock").start()
         stop = threading.Event()
 
@@ -237,19 +245,12 @@ def run_local_load_latency(seconds: float, progress: Callable[[str], None]) -> d
 
 
 def run_fuzz(examples: int, progress: Callable[[str], None]) -> dict:
-    import torch
-
     from kvtier.control.client import AdminClient
     from kvtier.control.local import LocalAdmin
-    from kvtier.engine import TierEngine
     from kvtier.index import chain_block_hashes, namespace_of
-    from kvtier.layout import CpuLayout, KVGeometry, ModelFingerprint
 
-    geometry = KVGeometry(2, 2, 32, 16)
-    fingerprint = ModelFingerprint("bench-fuzz", geometry)
-    hbm = [torch.randn(CpuLayout(geometry).layer_shape(16)).to(torch.bfloat16) for _ in range(2)]
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-fuzz-") as tmp:
-        engine = TierEngine(fingerprint, 64 * geometry.block_bytes, Path(tmp) / "nvme", 1 << 28, kv_layers=hbm)
+        engine, fingerprint = _local_engine("bench-fuzz", (2, 2, 32, 16), 16, 64, Path(tmp))
         ns = namespace_of(fingerprint.digest)
         for n, session in enumerate(SESSIONS):
             engine.store(session, ns, chain_block_hashes(list(range(n * 1000, n * 1000 + 64)), 16), [0, 1, 2, 3])
