@@ -162,13 +162,18 @@ def reconstruction(spec: str, blocks) -> dict:
 
 
 def run_quality_harness(quick: bool = False, captured=None, progress: Callable[[str], None] = print,
-                        codecs=QUALITY_CODECS) -> dict:
+                        codecs=QUALITY_CODECS, trials: int | None = None, long_trials: int | None = None) -> dict:
     """Reconstruction and needle figures for every codec (+ the two references for the needle)."""
     from kvtier.bench.codecs import synthetic_blocks
     from kvtier.layout import KVGeometry
 
     sizes = NEEDLE_SIZES[:3] if quick else NEEDLE_SIZES
-    trials = 40 if quick else 200
+    trials = trials or (40 if quick else 200)
+    long_trials = long_trials or trials  # at the largest N (where the targets are)
+
+    def trials_for(n: int) -> int:
+        return long_trials if n == sizes[-1] else trials
+
     synthetic = synthetic_blocks(KVGeometry(4, 4, HEAD_DIM, BLOCK), 4, seed=11)
     results: dict[str, dict] = {}
     for spec in (*codecs, *REFERENCES):
@@ -184,11 +189,12 @@ def run_quality_harness(quick: bool = False, captured=None, progress: Callable[[
                 entry.update(rel_mse_k=synth["rel_mse_k"], rel_mse_v=synth["rel_mse_v"], attn_err=synth["attn_err"])
         quantize = quantizer_for(spec)
         for n in sizes:
-            progress(f"{spec}: needle among {n:,} keys, {trials} trials")
-            entry[f"needle_acc_{_label(n)}"] = needle_accuracy(quantize, n, trials)
+            progress(f"{spec}: needle among {n:,} keys, {trials_for(n)} trials")
+            entry[f"needle_acc_{_label(n)}"] = needle_accuracy(quantize, n, trials_for(n))
+        entry["_needle_trials"] = {_label(n): trials_for(n) for n in sizes}
         results[spec] = entry
     progress("reference: uncompressed keys")
     results["none"] = {"size_ratio": 1.0, "rel_mse_k": 0.0, "rel_mse_v": 0.0, "attn_err": 0.0,
-                       **{f"needle_acc_{_label(n)}": needle_accuracy(lambda k, first=False: k, n, trials)
+                       **{f"needle_acc_{_label(n)}": needle_accuracy(lambda k, first=False: k, n, trials_for(n))
                           for n in sizes}}
     return results

@@ -218,6 +218,9 @@ def bench_quality(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: one entry per codec."),
     quick: bool = typer.Option(False, "--quick", help="Needles up to 16k keys, fewer trials and prompts."),
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include the real-vLLM figures (top-1, KL)."),
+    trials: int = typer.Option(0, "--trials", min=0, max=100_000, help="Needle trials per size (default 200)."),
+    long_trials: int = typer.Option(0, "--long-trials", min=0, max=100_000,
+                                    help="Needle trials at the largest size (default: --trials)."),
 ) -> None:
     """Codec quality: reconstruction error, needle retrieval up to 128k keys, top-1 and KL via vLLM."""
     import contextlib
@@ -234,7 +237,8 @@ def bench_quality(
             out = run_vllm_quality(QUALITY_CODECS, quick=quick, progress=progress)
         captured, per_codec = out["captured"], out["per_codec"]
         context = {k: v for k, v in out.items() if k.startswith("_")}
-    results = run_quality_harness(quick=quick, captured=captured, progress=progress)
+    results = run_quality_harness(quick=quick, captured=captured, progress=progress, trials=trials or None,
+                                  long_trials=long_trials or None)
     for spec, entry in results.items():
         entry.update(per_codec.get(spec, {}))
         if spec == "none":

@@ -5,7 +5,8 @@ prompt the reference is the full next-token distribution of a plain prefill. The
 cold codec is set, every session is dropped, the prompts are prefilled again (stored raw in DRAM),
 evicted to NVMe (re-encoded by the codec), vLLM's prefix cache is reset, and the prompts run once
 more: their KV now comes from the NVMe tier through the codec's decoder. Top-1 agreement and
-KL(reference || codec) are computed over the whole vocabulary. The raw KV blocks of the first
+KL(reference || codec) are computed over the whole vocabulary at each of 16 generated positions
+(while the greedy sequences agree). The raw KV blocks of the first
 round are also read back from the NVMe files, as captured demo-model KV for the reconstruction
 figures.
 """
@@ -18,14 +19,32 @@ from typing import Callable
 
 __all__ = ["run_vllm_quality"]
 
+STEPS = 16  # generated positions compared per prompt
+
 
 def _prompts(count: int, tokens: int) -> list[list[int]]:
     return [[3 + (p * 7919 + i * 131 + (i * i) % 97) % 1900 for i in range(tokens)] for p in range(count)]
 
 
-def _distribution(output) -> dict[int, float]:
-    top = output.outputs[0].logprobs[0]
-    return {int(token): float(lp.logprob) for token, lp in top.items()}
+def _distributions(output) -> list[dict[int, float]]:
+    """The next-token distribution at every generated position (full vocabulary)."""
+    return [{int(token): float(lp.logprob) for token, lp in step.items()} for step in output.outputs[0].logprobs]
+
+
+def _compare(reference: list[list[dict]], got: list[list[dict]]) -> tuple[int, int, float]:
+    """(positions compared, top-1 agreements, summed KL). Positions are compared while the greedy
+    sequences agree (after a disagreement the two runs condition on different tokens)."""
+    positions = agree = 0
+    kl = 0.0
+    for ref_steps, got_steps in zip(reference, got):
+        for r, g in zip(ref_steps, got_steps):
+            positions += 1
+            kl += _kl(r, g)
+            same = max(r, key=r.get) == max(g, key=g.get)
+            agree += same
+            if not same:
+                break
+    return positions, agree, kl
 
 
 def _kl(reference: dict[int, float], other: dict[int, float]) -> float:
@@ -87,7 +106,7 @@ def run_vllm_quality(codecs, quick: bool = False, progress: Callable[[str], None
         vocab = engine.llm.llm_engine.model_config.get_vocab_size()
         try:
             progress(f"vLLM: reference distributions for {len(prompts)} prompts (vocab {vocab})")
-            reference = [_distribution(engine.generate(p, 1, logprobs=vocab)) for p in prompts]
+            reference = [_distributions(engine.generate(p, STEPS, logprobs=vocab)) for p in prompts]
             _evict_all_to_nvme(engine)
             captured = _captured_blocks(nvme, engine.manager.fingerprint)
             for spec in codecs:
@@ -98,12 +117,11 @@ def run_vllm_quality(codecs, quick: bool = False, progress: Callable[[str], None
                     engine.generate(p, 1)
                 _evict_all_to_nvme(engine)  # re-encoded by the codec on the way to NVMe
                 before = engine.manager.counters.get("hit_nvme_blocks", 0)
-                got = [_distribution(engine.generate(p, 1, logprobs=vocab)) for p in prompts]
+                got = [_distributions(engine.generate(p, STEPS, logprobs=vocab)) for p in prompts]
                 loaded = engine.manager.counters.get("hit_nvme_blocks", 0) - before
-                agree = sum(max(r, key=r.get) == max(g, key=g.get) for r, g in zip(reference, got))
-                results[spec] = {"top1_agreement": agree / len(prompts),
-                                 "kl": sum(_kl(r, g) for r, g in zip(reference, got)) / len(prompts),
-                                 "_nvme_blocks_loaded": loaded}
+                positions, agree, kl = _compare(reference, got)
+                results[spec] = {"top1_agreement": agree / positions, "kl": kl / positions,
+                                 "_positions": positions, "_nvme_blocks_loaded": loaded}
         finally:
             engine.close()
     return {"per_codec": results, "captured": captured, "_prompts": len(prompts), "_prompt_tokens": 1024}
