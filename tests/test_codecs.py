@@ -321,3 +321,28 @@ def test_stats_report_tokens_per_gib_per_tier():
     assert packed["nvme"]["tokens_per_gib"] >= 3.3 * plain["nvme"]["tokens_per_gib"]
     fp8_cache = TierManager(ModelFingerprint("mid", KVGeometry(16, 4, 64, 128, "uint8")), 1 << 30).stats()
     assert fp8_cache["hbm"]["tokens_per_gib"] == 2 * plain["hbm"]["tokens_per_gib"]  # vLLM's fp8 KV
+
+
+def test_needle_harness_detects_a_broken_codec():
+    from kvtier.bench.quality import needle_accuracy, quantizer_for
+
+    exact = needle_accuracy(lambda keys, first=False: keys, 1024, 30)
+    good = needle_accuracy(quantizer_for("int4-lc"), 1024, 30)
+    naive = needle_accuracy(quantizer_for("int4-naive"), 1024, 30)
+
+    def broken(keys, first=False):  # a codec that loses the low byte of every value
+        return (keys.view(torch.int16) & ~0xFF).view(torch.bfloat16)
+
+    assert exact == 1.0 and good >= 0.95
+    assert naive < 0.8 and needle_accuracy(broken, 1024, 30) < 0.8
+
+
+def test_reconstruction_figures_order_codecs_sensibly():
+    from kvtier.bench.codecs import synthetic_blocks
+    from kvtier.bench.quality import reconstruction
+
+    blocks = synthetic_blocks(KVGeometry(2, 2, 64, 128), 2, seed=4)
+    fp8, int8, int4 = (reconstruction(spec, blocks) for spec in ("fp8", "int8", "int4"))
+    assert int8["rel_mse_k"] < fp8["rel_mse_k"] < int4["rel_mse_k"]
+    assert 0.5 < fp8["size_ratio"] < 0.52 and int4["size_ratio"] < 0.3
+    assert reconstruction("int4-lc", blocks)["rel_mse_k"] < int4["rel_mse_k"] / 3
