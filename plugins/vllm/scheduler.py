@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,26 +118,41 @@ class KVTierScheduler:
                 ("store", "load", "demote", "promote", "snapshot", "restore")}
 
     def wake(self) -> None:
-        """Make sure the engine runs a step soon (an idle vLLM engine runs none): one 1-token request."""
+        """Keep the engine stepping while admin jobs are in flight.
+
+        An idle vLLM engine runs no steps, and kvtier's jobs travel with steps: a job ships with one
+        step and its result comes back with a later one (background IO). So while a job is queued
+        or running, one thread sends 1-token requests (each is one short step), backing off from
+        20 ms to 0.5 s, and stops when nothing is in flight. Real traffic makes it unnecessary.
+        """
         if not self._api_url or not self._waking.acquire(blocking=False):
             return
 
-        def poke() -> None:
-            try:
-                body = json.dumps({"model": self._served_name, "prompt": ".", "max_tokens": 1}).encode()
-                request = urllib.request.Request(self._api_url.rstrip("/") + "/completions", data=body,
-                                                 headers={"Content-Type": "application/json"})
-                urllib.request.urlopen(request, timeout=30).read()
-            except Exception as exc:  # the job still runs with the next real request
-                log.debug("kvtier: wake request failed: %s", exc)
-                return self._waking.release()
-            self._waking.release()
+        def in_flight() -> bool:
             with self.lock:
-                pending = bool(self._jobs)
-            if pending:  # queued after our step was built: one more step
-                self.wake()
+                return bool(self._jobs) or (self.ops is not None and any(
+                    r.state in ("queued", "running") for r in self.ops.jobs.values()))
 
-        threading.Thread(target=poke, name="kvtier-wake", daemon=True).start()
+        def poke_until_idle() -> None:
+            body = json.dumps({"model": self._served_name, "prompt": ".", "max_tokens": 1}).encode()
+            url = self._api_url.rstrip("/") + "/completions"
+            delay = 0.02
+            try:
+                for _ in range(10_000):
+                    if not in_flight():
+                        return
+                    try:
+                        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+                        urllib.request.urlopen(request, timeout=30).read()
+                    except Exception as exc:  # jobs still run with the next real request
+                        log.debug("kvtier: wake request failed: %s", exc)
+                        return
+                    time.sleep(delay)
+                    delay = min(delay * 1.5, 0.5)
+            finally:
+                self._waking.release()
+
+        threading.Thread(target=poke_until_idle, name="kvtier-wake", daemon=True).start()
 
     def shutdown(self) -> None:
         if self.admin is not None:
