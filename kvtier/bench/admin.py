@@ -1,7 +1,8 @@
 """``kvtier bench admin``: admin latency under load, and a fuzz run of malformed requests.
 
-* ``p99_ms_under_load``: 99th percentile of admin read requests (status, sessions, one session,
-  metrics) over the Unix socket while the engine serves a steady load. With vLLM installed the
+* ``p99_ms_under_load``: 99th percentile of admin read requests (status, sessions, tiers,
+  metrics) over the Unix socket, from a separate client process as the CLI is, while the engine
+  serves a steady load. With vLLM installed the
   engine is real (the tiny demo model, requests generated back to back on another thread, the
   admin server inside the engine as ``kvtier serve`` runs it); without it, an in-process tier
   engine storing and loading blocks in a loop.
@@ -47,6 +48,19 @@ def _latency(sock: str, seconds: float, stop: threading.Event | None = None) -> 
         time.sleep(0.002)
     client.close()
     return samples
+
+
+def latency_in_subprocess(sock: str, seconds: float) -> list[float]:
+    """``_latency`` from a separate process, as the CLI and ``kvtier top`` are: the client must not
+    compete with the engine for this process's GIL."""
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from kvtier.bench.admin import _latency; "
+            "print(json.dumps(_latency(sys.argv[1], float(sys.argv[2]))))")
+    out = subprocess.run([sys.executable, "-c", code, sock, str(seconds)], capture_output=True, text=True,
+                         timeout=seconds + 120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _p99(samples: list[float]) -> float:
@@ -235,7 +249,7 @@ def run_local_load_latency(seconds: float, progress: Callable[[str], None]) -> d
         worker = threading.Thread(target=load, daemon=True)
         worker.start()
         progress(f"admin latency for {seconds:.0f} s against an in-process engine under load")
-        samples = _latency(str(Path(tmp) / "admin.sock"), seconds)
+        samples = latency_in_subprocess(str(Path(tmp) / "admin.sock"), seconds)
         stop.set()
         worker.join()
         admin.stop()
@@ -280,7 +294,7 @@ def run_admin_bench(quick: bool = False, progress: Callable[[str], None] = print
         else:
             from kvtier.plugins.vllm.bench_admin import run_vllm_load_latency
 
-            results.update(run_vllm_load_latency(seconds, progress, _latency, _p99))
+            results.update(run_vllm_load_latency(seconds, progress, latency_in_subprocess, _p99))
             done = True
     if not done:
         results.update(run_local_load_latency(seconds, progress))

@@ -30,7 +30,7 @@ def handle(ops: "Ops", name: str, params: dict, query: dict, body: dict) -> tupl
 def _status(ops: "Ops", **_) -> tuple[int, dict]:
     with ops.lock:
         stats = ops.manager.stats()
-        states = [ops.manager.session_info(s)["state"] for s in list(ops.manager.sessions)]
+        states = [info["state"] for info in ops.manager.sessions_overview()]
         in_flight = sum(1 for r in ops.jobs.values() if r.state in ("queued", "running"))
     return 200, {
         "api": API_VERSION, **ops.info, "uptime_s": time.time() - ops.started,
@@ -63,7 +63,9 @@ def _sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
     if not 1 <= limit <= 100_000:
         raise ApiError(400, "limit must be between 1 and 100000")
     with ops.lock:
-        rows = [_session_view(ops, s) for s in list(ops.manager.sessions)]
+        rows = ops.manager.sessions_overview()
+        for row in rows:
+            _decorate(ops, row)
     if state:
         rows = [r for r in rows if r["state"] == state]
     key = {"bytes": lambda r: r["bytes_dram"] + r["bytes_nvme"]}.get(sort, lambda r: r[sort])
@@ -72,8 +74,11 @@ def _sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
 
 
 def _session_view(ops: "Ops", session_id: str) -> dict:
-    info = ops.manager.session_info(session_id)
-    info["job"] = ops.busy.get(session_id)
+    return _decorate(ops, ops.manager.session_info(session_id))
+
+
+def _decorate(ops: "Ops", info: dict) -> dict:
+    info["job"] = ops.busy.get(info["session_id"])
     info["codec_dram"], info["codec_nvme"] = ops.manager.warm_codec, ops.manager.cold_codec
     return info
 
@@ -228,7 +233,7 @@ def metrics(ops: "Ops") -> bytes:
 
     with ops.lock:
         stats = ops.manager.stats()
-        states = [ops.manager.session_info(s)["state"] for s in list(ops.manager.sessions)]
+        states = [info["state"] for info in ops.manager.sessions_overview()]
         latency = {kind: list(values) for kind, values in ops.latency.items()}
     counters = stats["counters"]
 

@@ -31,6 +31,7 @@ import re
 import socket
 import socketserver
 import stat
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ log = logging.getLogger("kvtier.admin")
 
 API_VERSION = "v1"
 MAX_BODY = 64 << 10
+SWITCH_INTERVAL_S = 0.001
 SNAPSHOT_SUFFIX = ".kvsnap"
 _SESSION = r"(?P<session>[^/]+)"
 
@@ -181,6 +183,11 @@ class AdminServer:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> "AdminServer":
+        # The engine thread holds the GIL between short torch ops; a waiting admin thread gets it
+        # at the next switch interval (5 ms by default). 1 ms bounds admin latency; it costs only
+        # while an admin request actually waits (an idle server thread sleeps in select()).
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._prepare_socket_dir()
         handler = _make_handler(self.ops, None)
         unix = _UnixServer(str(self.socket_path), handler)
