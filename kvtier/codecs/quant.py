@@ -72,7 +72,27 @@ def _check_size(spec: str, payload: "torch.Tensor", expected: int) -> None:
         raise CorruptBlockError(f"codec {spec}: payload holds {payload.numel()} bytes, expected {expected}")
 
 
-class Fp8(Codec):
+class _FixedRate(Codec):
+    """A codec whose payload layout depends on the geometry alone."""
+
+    kind = 0
+
+    def _layout(self, geometry: "KVGeometry") -> _Layout:
+        raise NotImplementedError
+
+    def max_bytes(self, geometry: "KVGeometry") -> int:
+        return self._layout(geometry).total
+
+    def _checked(self, payload: "torch.Tensor", out: "torch.Tensor") -> "tuple[KVGeometry, _Layout]":
+        """The geometry and layout of ``out``, once ``payload`` is known to be this codec's, whole."""
+        geometry = _geometry(out)
+        layout = self._layout(geometry)
+        _check_size(self.spec, payload, layout.total)
+        read_preamble(payload, self.spec, self.kind)
+        return geometry, layout
+
+
+class Fp8(_FixedRate):
     lossy = True
 
     def __init__(self, fmt: str = "e4m3", per_head: bool = False):
@@ -95,9 +115,6 @@ class Fp8(Codec):
         rows, cols = self._shape(geometry)
         return _Layout(("exp", rows), ("q", rows * cols))
 
-    def max_bytes(self, geometry: "KVGeometry") -> int:
-        return self._layout(geometry).total
-
     def encode(self, block: "torch.Tensor", out: "torch.Tensor", first: bool = False) -> int:
         import torch
 
@@ -116,10 +133,7 @@ class Fp8(Codec):
     def decode(self, payload: "torch.Tensor", out: "torch.Tensor") -> None:
         import torch
 
-        geometry = _geometry(out)
-        layout = self._layout(geometry)
-        _check_size(self.spec, payload, layout.total)
-        read_preamble(payload, self.spec, self.kind)
+        geometry, layout = self._checked(payload, out)
         rows, cols = self._shape(geometry)
         exp = layout.view(payload, "exp", torch.int8)
         q = layout.view(payload, "q", torch.uint8).view(rows, cols)
@@ -129,7 +143,7 @@ class Fp8(Codec):
         target.copy_(q.view(self.dtype).float() * torch.exp2(exp.float())[:, None])
 
 
-class Int8(Codec):
+class Int8(_FixedRate):
     lossy = True
     kind = 4
 
@@ -137,9 +151,6 @@ class Int8(Codec):
         L, H, two, B, D = geometry.block_shape
         rows = L * H * two * B
         return _Layout(("scale", rows * 4), ("q", rows * D))
-
-    def max_bytes(self, geometry: "KVGeometry") -> int:
-        return self._layout(geometry).total
 
     def encode(self, block: "torch.Tensor", out: "torch.Tensor", first: bool = False) -> int:
         import torch
@@ -158,10 +169,7 @@ class Int8(Codec):
     def decode(self, payload: "torch.Tensor", out: "torch.Tensor") -> None:
         import torch
 
-        geometry = _geometry(out)
-        layout = self._layout(geometry)
-        _check_size(self.spec, payload, layout.total)
-        read_preamble(payload, self.spec, self.kind)
+        geometry, layout = self._checked(payload, out)
         scale = layout.view(payload, "scale", torch.float32)
         q = layout.view(payload, "q", torch.int8).view(scale.numel(), geometry.head_dim)
         target = out.view(scale.numel(), geometry.head_dim)
