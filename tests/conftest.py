@@ -6,6 +6,10 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# numba's llvmlite, once imported, trips vLLM 0.32's kernel-override scan at engine creation
+# ("'_lib_fn_wrapper' object has no attribute 'get'"). Engines are created in this process, so the
+# codecs use their torch path here; the numba kernels are tested in a subprocess (test_codecs.py).
+os.environ.setdefault("KVTIER_NO_NUMBA", "1")
 
 
 @pytest.fixture

@@ -77,6 +77,10 @@ def assert_refused(result, *needles):
 
 
 # ---- the command -------------------------------------------------------------------------------
+def cmd_url(cmd) -> str:
+    return f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}/v1"
+
+
 def test_dry_run_command_and_connector_config(env, model_dir, tmp_path):
     env = {**env, "KVTIER_NVME": "3GiB", "KVTIER_POLICY": "arc"}
     cmd, _prefix, result = dry_run(env, model_dir, "--dram", "2GiB", "--nvme-dir", tmp_path / "cold")
@@ -95,7 +99,9 @@ def test_dry_run_command_and_connector_config(env, model_dir, tmp_path):
     assert extra["nvme_dir"] == str(tmp_path / "cold")
     assert extra["model_id"] == "tiny-llama"
     assert set(extra) == {"dram_bytes", "nvme_dir", "nvme_bytes", "policy", "high_watermark",
-                          "low_watermark", "io_threads", "direct_io", "warm_codec", "cold_codec", "model_id"}
+                          "low_watermark", "io_threads", "direct_io", "warm_codec", "cold_codec", "model_id",
+                          "admin_socket", "snapshot_dir", "api_url"}
+    assert extra["api_url"] == cmd_url(cmd) and extra["admin_socket"].endswith("kvtier.sock")
     assert json.loads(result.stdout.split("kv-transfer-config:\n", 1)[1].rsplit("\nAPI", 1)[0]) == config
     assert "--kv-cache-dtype" not in cmd
     assert not (tmp_path / "cold").exists()  # a dry run creates nothing
@@ -322,7 +328,8 @@ def run_fake(tmp_path, ignore_term: bool):
                 break
         assert lines[-1] == f"ready: http://127.0.0.1:{port}/v1", lines
         assert f"API: http://127.0.0.1:{port}/v1" in lines
-        assert "admin socket: /tmp/kvtier-test/kvtier.sock (admin API: coming soon)" in lines
+        assert "admin socket: /tmp/kvtier-test/kvtier.sock (kvtier status / sessions / top find it without flags)" \
+            in lines
         server_pid, worker_pid = map(int, pid_file.read_text().split())
         assert os.getpgid(server_pid) == server_pid != os.getpgid(proc.pid)  # its own process group
         proc.send_signal(signal.SIGTERM)

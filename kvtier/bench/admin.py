@@ -287,9 +287,9 @@ def run_admin_bench(quick: bool = False, progress: Callable[[str], None] = print
     seconds = 10.0 if quick else 30.0
     done = False
     if vllm:
-        try:
-            import vllm as _vllm  # noqa: F401
-        except ImportError:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
             progress("vLLM is not installed: latency measured against an in-process tier engine")
         else:
             from kvtier.plugins.vllm.bench_admin import run_vllm_load_latency

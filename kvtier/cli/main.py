@@ -126,8 +126,7 @@ def serve(
         typer.echo("  " + " ".join(f"{key}={shlex.quote(value)}" for key, value in added.items())
                    + (" " if added else "") + shlex.join(cmd))
         typer.echo("kv-transfer-config:")
-        typer.echo(json.dumps(srv.build_kv_transfer_config(settings, srv.model_id_for(model_path, extra)),
-                              indent=2))
+        typer.echo(json.dumps(json.loads(cmd[cmd.index("--kv-transfer-config") + 1]), indent=2))
         typer.echo(f"API would be at {url}")
         return
     code = srv.run_server(cmd, env, url, srv.admin_socket_path(), say=lambda msg: typer.echo(f"kvtier: {msg}"))
