@@ -133,7 +133,10 @@ def test_numba_kernels_match_torch_reference_bit_for_bit():
     import subprocess
     import sys
 
-    pytest.importorskip("numba")
+    import importlib.util
+
+    if importlib.util.find_spec("numba") is None:  # find, not import: numba stays out of this process
+        pytest.skip("numba is not installed: only the torch path exists")
     specs = ["fp8", "fp8:e5m2", "fp8:head", "int8", "int4", "int4-lc"]
     env = {k: v for k, v in os.environ.items() if k != "KVTIER_NO_NUMBA"}
     out = subprocess.run([sys.executable, "-c", NUMBA_CHECK, *specs], env=env, capture_output=True, text=True,
