@@ -309,3 +309,16 @@ def test_errors_and_config_import_no_heavy_modules() -> None:
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(
         Path(__file__).resolve().parents[1])})
+
+
+def test_codecs_from_env_and_toml_are_checked(isolated: dict[str, str], tmp_path: Path) -> None:
+    settings, sources = load_settings(env={**isolated, "KVTIER_WARM_CODEC": "fp8"})
+    assert settings.warm_codec == "fp8" and sources["warm_codec"].startswith("env")
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={**isolated, "KVTIER_COLD_CODEC": "int3"})
+    assert "cold_codec" in err.value.message and "int4-lc" in err.value.hint
+    path = tmp_path / "kvtier.toml"
+    path.write_text('warm_codec = "int4-lc:g32+zstd"\ncold_codec = "fp8:e3m4"\n')
+    with pytest.raises(ConfigError) as err:
+        load_settings(env=isolated, toml_path=path)
+    assert "cold_codec" in err.value.message
