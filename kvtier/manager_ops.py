@@ -62,6 +62,12 @@ class SessionOps:
             for row in wanted.intersection(self.session_rows(other)):
                 pin[row] = other.pinned if pin[row] == 0 else min(pin[row], other.pinned)
 
+    def promote(self: "TierManager", session_id: str) -> Job | None:
+        """Bring a session's NVMe-only blocks back into DRAM, as far as free slots allow."""
+        flags = self.index.col["flags"]
+        rows = [r for r in self.session_rows(self.session(session_id)) if not flags[r] & (IN_DRAM | PENDING)]
+        return self._promote_rows(rows, session_id) if rows else None
+
     def _promote_rows(self: "TierManager", rows: list[int], session_id: str | None) -> Job | None:
         col = self.index.col
         moves = []

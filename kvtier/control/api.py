@@ -135,13 +135,7 @@ def _unpin(ops: "Ops", session: str, **_) -> tuple[int, dict]:
 def _evict(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
     to = _tier(body.get("to"), "to", {"dram": Tier.DRAM, "nvme": Tier.NVME, "drop": None})
     if to == Tier.DRAM:  # kvtier writes through: a session's blocks are in DRAM unless demoted
-        with ops.lock:
-            info = ops.manager.session_info(session)
-        if info["blocks_nvme"] and info["blocks_dram"] < info["blocks"]:
-            return _write(ops, "evict", session, lambda: ops.manager._promote_rows(
-                [r for r in ops.manager.session_rows(ops.manager.session(session))
-                 if not ops.manager.index.col["flags"][r] & 1], session))
-        return _write(ops, "evict", session, lambda: None)
+        return _write(ops, "evict", session, lambda: ops.manager.promote(session))
     return _write(ops, "evict", session, lambda: ops.manager.evict(session, to))
 
 
