@@ -123,15 +123,13 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
                 ("job", doc.get("job") or "-")]
         print_table(f"session {session}", ["", ""], rows)
 
-    def write(action: str, label: str):
-        def run(session: str, body: dict, wait: bool, json_out: bool, socket: Optional[str]) -> None:
-            from kvtier.control.client import AdminClient
+    def write(action: str, label: str, session: str, body: dict, wait: bool, json_out: bool,
+              socket: Optional[str]) -> None:
+        from kvtier.control.client import AdminClient
 
-            client = _client(socket)
-            job = client.post(AdminClient.session_path(session, action), body)
-            _finish(client, job, wait, json_out, f"{label} {session}")
-
-        return run
+        client = _client(socket)
+        job = client.post(AdminClient.session_path(session, action), body)
+        _finish(client, job, wait, json_out, f"{label} {session}")
 
     @app.command("pin")
     @handle_errors
@@ -141,7 +139,7 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
             json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
             socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
         """Pin a session at a tier."""
-        write("pin", "pin")(session, {"tier": tier}, wait, json_out, socket)
+        write("pin", "pin", session, {"tier": tier}, wait, json_out, socket)
 
     @app.command("unpin")
     @handle_errors
@@ -149,7 +147,7 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
               json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
               socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
         """Let the eviction policy move a pinned session again."""
-        write("unpin", "unpin")(session, {}, True, json_out, socket)
+        write("unpin", "unpin", session, {}, True, json_out, socket)
 
     @app.command("evict")
     @handle_errors
@@ -162,7 +160,7 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         """Move a session's blocks down to NVMe (or back to DRAM), or drop them."""
         if to == "drop" and not yes and not typer.confirm(f"drop every stored block of session {session}?"):
             raise typer.Exit(1)
-        write("evict", f"evict to {to}")(session, {"to": to}, wait, json_out, socket)
+        write("evict", f"evict to {to}", session, {"to": to}, wait, json_out, socket)
 
     @snapshot_app.command("take", hidden=True)
     @handle_errors
@@ -176,7 +174,7 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         from pathlib import Path
 
         body = {"path": str(Path(out).expanduser().resolve())} if out else {}
-        write("snapshot", "snapshot")(session, body, wait, json_out, socket)
+        write("snapshot", "snapshot", session, body, wait, json_out, socket)
 
     @app.command("restore")
     @handle_errors
