@@ -86,7 +86,6 @@ def _restore(spec: str, payloads, sizes, directory: Path, raw: RawDirectIO, reps
     from kvtier.codecs import get_codec
     from kvtier.tiers.nvme import NvmeStore
 
-    codec = get_codec(spec)
     geometry = _geometry()
     n = len(sizes)
     root = directory / f"tier-{spec.replace(':', '_').replace('+', '_')}"
