@@ -127,6 +127,8 @@ class BlockIndex:
         self.col = {name: np.zeros(capacity, dtype) for name, dtype in self.COLUMNS.items()}
         self.col["dram_slot"][:] = NO_SLOT
         self._clock = 0
+        self.added = 0  # rows ever added / removed: lets callers cache key -> row lookups
+        self.removed = 0
         self.codecs: list[str] = ["none"]  # codec id -> name, shared by both tiers
 
     # ---- rows -------------------------------------------------------------------------------
@@ -174,6 +176,7 @@ class BlockIndex:
         self.col["dram_slot"][row] = NO_SLOT
         self.col["flags"][row] = flags
         self.col["ns"][row] = ns_id
+        self.added += 1
         self.touch([row])
         return row
 
@@ -184,6 +187,7 @@ class BlockIndex:
         self._keys[row] = None
         self.col["flags"][row] = 0
         self._free_rows.append(row)
+        self.removed += 1
 
     def key_of(self, row: int) -> tuple[bytes, bytes]:
         key = self._keys[row]

@@ -56,6 +56,8 @@ class TierManager(SessionOps):
         self.high, self.low = high_watermark, low_watermark
         self.index = BlockIndex()
         self.sessions: dict[str, Session] = {}
+        # session id -> (its keys list, index.added or -1 if every key was found, index.removed, rows)
+        self._rows_cache: dict[str, tuple[list[bytes], int, int, np.ndarray]] = {}
         per_block = file_bytes_for(self.geometry.block_bytes)
         self.policies = {
             Tier.DRAM: make_policy(policy, self.slots.num_slots),
@@ -135,8 +137,25 @@ class TierManager(SessionOps):
             raise NotFoundError(f"no session {session_id!r}", hint="`kvtier sessions` lists them") from None
 
     def session_rows(self, session: Session) -> list[int]:
-        rows = (self.index.row_of(session.namespace, key) for key in session.keys)
-        return [r for r in rows if r is not None]
+        return self.session_row_array(session).tolist()
+
+    def session_row_array(self, session: Session) -> np.ndarray:
+        """Rows of the session's stored blocks, in order (cached: a key's row changes only when the
+        index removes it, and a missing key can appear only when the index adds a row)."""
+        index = self.index
+        cached = self._rows_cache.get(session.session_id)
+        if cached is not None:
+            keys, added, removed, rows = cached
+            if keys is session.keys and removed == index.removed and added in (-1, index.added):
+                return rows
+        get = index._maps.get(session.namespace, {}).get
+        found = [r for r in map(get, session.keys) if r is not None]
+        rows = np.asarray(found, dtype=np.int64)
+        added = -1 if len(found) == len(session.keys) else index.added
+        if len(self._rows_cache) > 2 * len(self.sessions) + 64:  # forget dropped sessions
+            self._rows_cache = {k: v for k, v in self._rows_cache.items() if k in self.sessions}
+        self._rows_cache[session.session_id] = (session.keys, added, index.removed, rows)
+        return rows
 
     # ---- DRAM slots -----------------------------------------------------------------------
     def _allocate_slot(self) -> int | None:

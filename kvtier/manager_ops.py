@@ -21,7 +21,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.manager import TierManager
     from kvtier.snapshot import SnapshotInfo
 
-__all__ = ["SessionOps"]
+__all__ = ["SessionOps", "SESSION_STATES"]
+
+SESSION_STATES = ("pinned", "hot", "warm", "cold", "gone")  # in the order session_state tests them
 
 
 class SessionOps:
@@ -222,31 +224,29 @@ class SessionOps:
     def session_info(self: "TierManager", session_id: str) -> dict[str, Any]:
         return self.sessions_overview([self.session(session_id).session_id])[0]
 
-    def sessions_overview(self: "TierManager", session_ids: "list[str] | None" = None) -> list[dict[str, Any]]:
-        """``session_info`` for many sessions at once (vectorised: 1,000 sessions in a few ms)."""
-        ids = list(self.sessions) if session_ids is None else session_ids
-        sessions = [self.sessions[s] for s in ids]
-        rows, owner = [], []
-        maps = self.index._maps
-        for n, session in enumerate(sessions):
-            get = maps.get(session.namespace, {}).get
-            found = [r for r in map(get, session.keys) if r is not None]
-            rows.extend(found)
-            owner.extend([n] * len(found))
+    def _session_counts(self: "TierManager", sessions: "list[Session]") -> dict[str, np.ndarray]:
+        """Per session: blocks and bytes held complete in DRAM and on NVMe (vectorised)."""
+        per_session = [self.session_row_array(session) for session in sessions]
         col = self.index.col
-        idx = np.asarray(rows, dtype=np.int64)
-        who = np.asarray(owner, dtype=np.int64)
+        idx = np.concatenate(per_session) if per_session else np.zeros(0, np.int64)
+        who = np.repeat(np.arange(len(sessions), dtype=np.int64), [len(rows) for rows in per_session])
         flags = col["flags"][idx]
         complete = (flags & PENDING) == 0
         in_dram = complete & ((flags & IN_DRAM) != 0)
         in_nvme = complete & ((flags & IN_NVME) != 0)
-        n = len(sessions)
-        def count(weights) -> list[int]:
-            return np.bincount(who, weights=weights, minlength=n).astype(np.int64).tolist()
 
-        blocks_dram, blocks_nvme = count(in_dram), count(in_nvme)
-        bytes_dram = count(col["dram_nbytes"][idx] * in_dram)
-        bytes_nvme = count(col["nvme_nbytes"][idx] * in_nvme)
+        def count(weights) -> np.ndarray:
+            return np.bincount(who, weights=weights, minlength=len(sessions)).astype(np.int64)
+
+        return {"blocks_dram": count(in_dram), "blocks_nvme": count(in_nvme),
+                "bytes_dram": count(col["dram_nbytes"][idx] * in_dram),
+                "bytes_nvme": count(col["nvme_nbytes"][idx] * in_nvme)}
+
+    def sessions_overview(self: "TierManager", session_ids: "list[str] | None" = None) -> list[dict[str, Any]]:
+        """``session_info`` for many sessions at once (vectorised: 1,000 sessions in a few ms)."""
+        ids = list(self.sessions) if session_ids is None else session_ids
+        sessions = [self.sessions[s] for s in ids]
+        counts = {name: values.tolist() for name, values in self._session_counts(sessions).items()}
         now = time.time()
         state = self.session_state
         return [{
@@ -261,9 +261,23 @@ class SessionOps:
             "pinned": session.pinned.name.lower() if session.pinned is not None else None,
             "last_use": session.last_use,
             "idle_seconds": max(0.0, now - session.last_use),
-        } for session, dram, nvme, b_dram, b_nvme in zip(sessions, blocks_dram, blocks_nvme, bytes_dram, bytes_nvme)]
+        } for session, dram, nvme, b_dram, b_nvme in zip(sessions, counts["blocks_dram"], counts["blocks_nvme"],
+                                                          counts["bytes_dram"], counts["bytes_nvme"])]
+
+    def session_state_counts(self: "TierManager") -> dict[str, int]:
+        """How many sessions are in each state (``session_state``), without building the rows."""
+        sessions = list(self.sessions.values())
+        counts = self._session_counts(sessions)
+        dram, nvme = counts["blocks_dram"], counts["blocks_nvme"]
+        pinned = np.fromiter((s.pinned is not None for s in sessions), bool, len(sessions))
+        hot = np.fromiter((s.hot for s in sessions), bool, len(sessions))
+        warm = (dram > 0) & (dram >= nvme)
+        states = np.select([pinned, hot, warm, nvme > 0], [0, 1, 2, 3], 4)
+        found = np.bincount(states, minlength=5).tolist()
+        return dict(zip(SESSION_STATES, found))
 
     def session_state(self: "TierManager", session: "Session", in_dram: int, in_nvme: int) -> str:
+        # keep in step with session_state_counts
         if session.pinned is not None:
             return "pinned"
         if session.hot:
@@ -285,10 +299,16 @@ class SessionOps:
         per_block = {"hbm": geometry.block_bytes, "dram": self.slots.slot_bytes, "nvme": file_bytes_for(on_disk)}
         return {tier: int((1 << 30) * geometry.block_tokens // size) for tier, size in per_block.items()}
 
+    def _fingerprint_view(self: "TierManager") -> dict[str, Any]:
+        view = self.__dict__.get("_fingerprint_dict")
+        if view is None:  # the fingerprint never changes; its dict costs a deepcopy to build
+            view = self.__dict__["_fingerprint_dict"] = self.fingerprint.to_dict()
+        return {**view, "geometry": dict(view["geometry"])}
+
     def stats(self: "TierManager") -> dict[str, Any]:
         capacity = self.tokens_per_gib()
         return {
-            "fingerprint": self.fingerprint.to_dict(),
+            "fingerprint": self._fingerprint_view(),
             "hbm": {"kv_dtype": self.geometry.dtype, "tokens_per_gib": capacity["hbm"]},
             "dram": {"used_bytes": self.slots.used_bytes, "capacity_bytes": self.slots.capacity_bytes,
                      "blocks": int(((self.index.col["flags"] & IN_DRAM) != 0).sum()),

@@ -320,3 +320,38 @@ def test_write_back_stops_quietly_when_nvme_is_full(fingerprint, hbm, tmp_path):
     engine.close()  # room for 2 of the 5 blocks: those are written, no error
     restarted = make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, nvme_blocks=2)
     assert sum(flag == "N" for flag in where(restarted, ns, keys)) == 2
+
+
+def test_cached_session_rows_and_state_counts_follow_churn(fingerprint, hbm, tmp_path, policy):
+    """session_row_array is cached across calls; through stores, demotions, drops, pins and re-stores
+    it must always equal a fresh key -> row walk, and session_state_counts the per-row states."""
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=12, nvme_blocks=20, policy=policy)
+    manager = engine.manager
+    ns = namespace_of(fingerprint.digest)
+    rng = np.random.default_rng(7)
+    keys = {f"s{n}": session_keys(n, 6) for n in range(8)}
+
+    def check():
+        for session in manager.sessions.values():
+            fresh = [r for r in (manager.index.row_of(ns, k) for k in session.keys) if r is not None]
+            assert manager.session_row_array(session).tolist() == fresh, session.session_id
+        states = [row["state"] for row in manager.sessions_overview()]
+        counts = manager.session_state_counts()
+        assert counts == {s: states.count(s) for s in counts} and sum(counts.values()) == len(states)
+
+    for step in range(120):
+        name = f"s{rng.integers(8)}"
+        action = rng.integers(6)
+        if action <= 2:  # (re)store a prefix of the session, sometimes longer than before
+            n = int(rng.integers(1, 7))
+            engine.store(name, ns, keys[name][:n], list(range(n)))
+        elif name in manager.sessions and action == 3 and manager.sessions[name].pinned is None:
+            engine.evict(name, [None, Tier.NVME][int(rng.integers(2))])
+        elif name in manager.sessions and action == 4:
+            job = manager.pin(name, Tier.NVME) if rng.integers(2) else manager.unpin(name)
+            if job is not None:
+                engine.execute(job)
+        elif name in manager.sessions:
+            manager.sessions[name].hot = bool(rng.integers(2))
+        check()
+    assert manager.index.removed > 0 and len(manager.sessions) > 0  # the churn did remove rows
