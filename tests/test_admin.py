@@ -160,6 +160,89 @@ def test_malformed_requests_get_json_errors(server, request_bytes, status):
     assert AdminClient(server.sock).get("/v1/status")["tiers"]["dram"]["blocks"] == 6  # still serving
 
 
+def exchange(sock_path: str, data: bytes, answers: int) -> list[tuple[int, bytes, bytes]]:
+    """Send raw bytes on one connection; read ``answers`` responses (status, head, body)."""
+    out = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(sock_path)
+        s.sendall(data)
+        buf = b""
+        for _ in range(answers):
+            while b"\r\n\r\n" not in buf:
+                chunk = s.recv(65536)
+                assert chunk, f"connection closed after {len(out)} answers"
+                buf += chunk
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            length = int([l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0])
+            while len(buf) < length:
+                buf += s.recv(65536)
+            out.append((int(head.split()[1]), head, buf[:length]))
+            buf = buf[length:]
+        s.settimeout(1)
+        try:
+            trailing = s.recv(1)
+        except socket.timeout:
+            trailing = None  # still open
+    out.append(trailing)
+    return out
+
+
+def test_keep_alive_and_pipelined_requests_each_get_their_answer(server):
+    two = b"GET /v1/tiers HTTP/1.1\r\n\r\nGET /v1/sessions/agent-2 HTTP/1.1\r\nHost: x\r\n\r\n"
+    first, second, trailing = exchange(server.sock, two, 2)
+    assert first[0] == 200 and "dram" in json.loads(first[2])
+    assert second[0] == 200 and json.loads(second[2])["session_id"] == "agent-2"
+    assert trailing is None  # HTTP/1.1: the connection stays open for more
+    body = b'{"tier": "nvme"}'
+    post = b"POST /v1/sessions/agent-2/pin HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    answer, trailing = exchange(server.sock, post + b"GET /v1/jobs HTTP/1.1\r\nConnection: close\r\n\r\n", 2)[1:]
+    assert answer[0] == 200 and json.loads(answer[2])["jobs"][0]["kind"] == "pin"
+    assert trailing == b""  # Connection: close is honoured
+    assert exchange(server.sock, b"GET /v1/tiers HTTP/1.0\r\n\r\n", 1)[1] == b""  # 1.0 closes by default
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"GET /v1/status HTTP/2.0\r\n\r\n", 505),
+    (b"GET /v1/status HTTP/1.1\r\nno-colon-here\r\n\r\n", 400),
+    (b"GET /v1/status HTTP/1.1\r\n folded: header\r\n\r\n", 400),
+    (b"POST /v1/sessions/agent-1/pin HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 411),
+    (b"POST /v1/sessions/agent-1/pin HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400),
+    (b"GET /v1/status HTTP/1.1\r\nX-Big: " + b"a" * (20 << 10) + b"\r\n\r\n", 431),
+])
+def test_protocol_errors_answer_and_close(server, request_bytes, status):
+    answer, trailing = exchange(server.sock, request_bytes, 1)
+    assert answer[0] == status and json.loads(answer[2])["error"]
+    assert b"Connection: close" in answer[1] and trailing == b""
+    assert AdminClient(server.sock).get("/v1/status")["tiers"]["dram"]["blocks"] == 6
+
+
+def test_a_body_shorter_than_its_length_is_refused_when_the_client_stops_sending(server):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(server.sock)
+        s.sendall(b"POST /v1/sessions/agent-1/pin HTTP/1.1\r\nContent-Length: 40\r\n\r\n{}")
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 400") and b"shorter" in data
+    assert AdminClient(server.sock).get("/v1/sessions/agent-1")["pinned"] is None
+
+
+def test_expect_100_continue(server):
+    body = b'{"to": "nvme"}'
+    head = b"POST /v1/sessions/agent-2/evict HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(server.sock)
+        s.sendall(head)
+        assert s.recv(65536).startswith(b"HTTP/1.1 100 Continue")
+        s.sendall(body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 202")
+
+
 def test_metrics_in_prometheus_text(server):
     cli(server, "evict", "agent-2", "--to", "nvme")
     text = AdminClient(server.sock).request("GET", "/metrics", raw=True)
@@ -245,3 +328,14 @@ def test_fuzz_oracle_flags_what_a_lax_server_would_accept(server, monkeypatch):
     assert is_valid_request("POST", "/v1/sessions/agent-2/pin", b'{"tier": "nvme"}')
     assert not is_valid_request("POST", "/v1/sessions/agent-2/snapshot", b'{"path": "../x.kvsnap"}')
     assert not is_valid_request("GET", "/v1/sessions/../etc", None)
+
+
+def test_admin_latency_bench_measures_admin_and_reference():
+    """The latency half of `kvtier bench admin` (in-process engine): both series, every figure."""
+    from kvtier.bench.admin import run_local_load_latency
+
+    out = run_local_load_latency(1.0, lambda _msg: None)
+    assert out["_latency_samples"] > 20
+    assert out["p99_ms_under_load"] > 0 and out["_p99_ms_reference"] > 0
+    assert out["_p50_ms_under_load"] <= out["p99_ms_under_load"]
+    assert out["_p99_ms_over_reference"] == out["p99_ms_under_load"] - out["_p99_ms_reference"]

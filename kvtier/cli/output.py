@@ -66,7 +66,7 @@ def emit_bench(title: str, keys: Sequence[str], results: dict, json_out: bool) -
     if json_out:
         emit_json({key: round(results[key], 4) for key in keys})
         return
-    rows = [(key, f"{results[key]:.4f}") for key in keys]
+    rows = [(key, str(results[key]) if isinstance(results[key], int) else f"{results[key]:.4f}") for key in keys]
     rows += [(key.lstrip("_"), f"{value:.3f}" if isinstance(value, float) else value)
              for key, value in results.items() if key.startswith("_")]
     print_table(title, ["figure", "value"], rows)

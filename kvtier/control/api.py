@@ -30,12 +30,12 @@ def handle(ops: "Ops", name: str, params: dict, query: dict, body: dict) -> tupl
 def _status(ops: "Ops", **_) -> tuple[int, dict]:
     with ops.lock:
         stats = ops.manager.stats()
-        states = [info["state"] for info in ops.manager.sessions_overview()]
+        states = ops.manager.session_state_counts()
         in_flight = sum(1 for r in ops.jobs.values() if r.state in ("queued", "running"))
     return 200, {
         "api": API_VERSION, **ops.info, "uptime_s": time.time() - ops.started,
         "fingerprint": stats["fingerprint"], "tiers": _tier_view(stats),
-        "sessions": {state: states.count(state) for state in STATES}, "jobs_in_flight": in_flight,
+        "sessions": {state: states[state] for state in STATES}, "jobs_in_flight": in_flight,
         "warnings": stats["warnings"], "counters": stats["counters"], "links": ops.link_bytes(),
     }
 
@@ -227,7 +227,7 @@ def metrics(ops: "Ops") -> bytes:
 
     with ops.lock:
         stats = ops.manager.stats()
-        states = [info["state"] for info in ops.manager.sessions_overview()]
+        states = ops.manager.session_state_counts()
         latency = {kind: list(values) for kind, values in ops.latency.items()}
     counters = stats["counters"]
 
@@ -254,7 +254,7 @@ def metrics(ops: "Ops") -> bytes:
             yield links
             sessions = GaugeMetricFamily("kvtier_sessions", "Sessions by state", labels=["state"])
             for state in STATES:
-                sessions.add_metric([state], states.count(state))
+                sessions.add_metric([state], states[state])
             yield sessions
             jobs = SummaryMetricFamily("kvtier_job_seconds", "Job latency", labels=["kind"])
             for kind, values in sorted(latency.items()):

@@ -9,6 +9,8 @@ import time
 from typing import Any, Callable
 from urllib.parse import quote, urlencode
 
+import orjson
+
 from kvtier.errors import KvtierError, NoServerError, NotFoundError, UsageError
 
 __all__ = ["AdminClient", "default_socket_path"]
@@ -95,7 +97,7 @@ class AdminClient:
             return payload.decode("utf-8", "replace")
         if response.status >= 400:
             _raise(response.status, payload)
-        return json.loads(payload)
+        return orjson.loads(payload)
 
     def get(self, path: str, **query) -> Any:
         query = {k: v for k, v in query.items() if v is not None}
