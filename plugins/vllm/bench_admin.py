@@ -1,7 +1,6 @@
 """Admin latency with the admin server inside a real vLLM engine (tiny demo model) under load."""
 from __future__ import annotations
 
-import statistics
 import tempfile
 import threading
 from pathlib import Path
@@ -10,8 +9,8 @@ from typing import Callable
 __all__ = ["run_vllm_load_latency"]
 
 
-def run_vllm_load_latency(seconds: float, progress: Callable[[str], None], latency: Callable,
-                          p99: Callable) -> dict:
+def run_vllm_load_latency(seconds: float, progress: Callable[[str], None]) -> dict:
+    from kvtier.bench.admin import EchoServer, latency_figures, latency_in_subprocess
     from kvtier.demo_model import ensure_demo_model
     from kvtier.plugins.vllm.harness import Engine, cpu_environment
 
@@ -33,15 +32,16 @@ def run_vllm_load_latency(seconds: float, progress: Callable[[str], None], laten
                 i += 1
 
         worker = threading.Thread(target=load, daemon=True)
+        echo = EchoServer(str(Path(tmp) / "echo.sock"))  # the reference, in the engine's process too
         try:
             engine.generate([5, 6, 7], 1)  # warm-up
             worker.start()
             progress(f"admin latency for {seconds:.0f} s inside a vLLM engine serving back-to-back requests")
-            samples = latency(sock, seconds)
+            samples = latency_in_subprocess(sock, seconds, echo.path)
         finally:
             stop.set()
             worker.join(timeout=120)
+            echo.close()
             engine.close()
-    return {"p99_ms_under_load": p99(samples), "_p50_ms_under_load": statistics.median(samples) * 1e3,
-            "_latency_samples": len(samples), "_requests_served_meanwhile": served[0],
+    return {**latency_figures(samples), "_requests_served_meanwhile": served[0],
             "_load": "vLLM (tiny demo model) serving back-to-back requests"}
