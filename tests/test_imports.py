@@ -74,3 +74,23 @@ def test_kvtier_status_imports_no_torch(tmp_path):
 def test_admin_server_modules_import_no_torch():
     loaded = _modules_after("import kvtier.control.server, kvtier.control.api, kvtier.control.client")
     assert not loaded & {"torch", "vllm", "textual"}
+
+
+def test_every_package_directory_is_installed():
+    """A non-editable install ships only the packages pyproject lists; a missed subpackage breaks
+    `pip install .` while editable installs (and so the tests) still work."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+
+    root = Path(kvtier.__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    roots = {folder: name for name, folder in config["package-dir"].items()}
+    found = set()
+    for folder, name in roots.items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder).parts
+            found.add(".".join((name, *rel)))
+    assert found <= listed, f"not installed: {sorted(found - listed)}"
