@@ -158,5 +158,10 @@ def test_snapshot_restart_restore_through_the_cli(tiny_model, tmp_path):
         assert loaded >= 0.9 * again.usage.prompt_tokens - 128
         status = json.loads(cli("status", "--json"))
         assert status["counters"]["restored_blocks"] >= loaded // 128
+        # hit-rate counters and vLLM's KV capacity, as `kvtier top` shows them
+        assert status["counters"]["prompt_tokens"] >= again.usage.prompt_tokens
+        assert status["counters"]["hit_dram_blocks"] * 128 >= loaded
+        hbm = status["tiers"]["hbm"]
+        assert hbm["capacity_bytes"] > 0 and hbm["used_bytes"] is not None
     finally:
         assert _stop(server) == 0, (tmp_path / "second.log").read_text()[-3000:]

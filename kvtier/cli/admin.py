@@ -72,8 +72,12 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         rows = []
         for tier in ("hbm", "dram", "nvme"):
             t = doc["tiers"][tier]
-            if tier == "hbm":
-                rows.append((tier, "-", "-", "-", t.get("kv_dtype", "-"), f"{t['tokens_per_gib']:,}"))
+            if tier == "hbm":  # vLLM's KV cache: blocks running requests hold, of its capacity
+                used, cap = t.get("used_bytes"), t.get("capacity_bytes")
+                rows.append((tier, f"{human_bytes(used)} / {human_bytes(cap)}" if used is not None and cap else "-",
+                             f"{100 * used / cap:.0f}%" if used is not None and cap else "-",
+                             f"{t['blocks']:,}" if t.get("blocks") is not None else "-",
+                             t.get("kv_dtype", "-"), f"{t['tokens_per_gib']:,}"))
                 continue
             cap = t["capacity_bytes"]
             pct = f"{100 * t['used_bytes'] / cap:.0f}%" if cap else "-"

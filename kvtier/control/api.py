@@ -32,21 +32,23 @@ def _status(ops: "Ops", **_) -> tuple[int, dict]:
         stats = ops.manager.stats()
         states = ops.manager.session_state_counts()
         in_flight = sum(1 for r in ops.jobs.values() if r.state in ("queued", "running"))
+        tiers = _tier_view(stats, ops)
     return 200, {
         "api": API_VERSION, **ops.info, "uptime_s": time.time() - ops.started,
-        "fingerprint": stats["fingerprint"], "tiers": _tier_view(stats),
+        "fingerprint": stats["fingerprint"], "tiers": tiers,
         "sessions": {state: states[state] for state in STATES}, "jobs_in_flight": in_flight,
         "warnings": stats["warnings"], "counters": stats["counters"], "links": ops.link_bytes(),
     }
 
 
-def _tier_view(stats: dict) -> dict:
-    return {"hbm": stats["hbm"], "dram": stats["dram"], "nvme": stats["nvme"]}
+def _tier_view(stats: dict, ops: "Ops") -> dict:
+    """Called under the lock."""
+    return {"hbm": {**stats["hbm"], **ops.hbm()}, "dram": stats["dram"], "nvme": stats["nvme"]}
 
 
 def _tiers(ops: "Ops", **_) -> tuple[int, dict]:
     with ops.lock:
-        return 200, _tier_view(ops.manager.stats())
+        return 200, _tier_view(ops.manager.stats(), ops)
 
 
 def _sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:

@@ -86,7 +86,7 @@ class Ops:
 
     def __init__(self, manager, lock: threading.RLock, enqueue: Callable, wake: Callable[[], None] = lambda: None,
                  snapshot_dir: str | os.PathLike | None = None, info: dict | None = None,
-                 link_bytes: Callable[[], dict] | None = None):
+                 link_bytes: Callable[[], dict] | None = None, hbm: Callable[[], dict] | None = None):
         self.manager = manager
         self.lock = lock
         self.enqueue = enqueue
@@ -98,6 +98,7 @@ class Ops:
         self.busy: dict[str, int] = {}  # session -> job in flight
         self.latency: dict[str, list[float]] = {}  # job kind -> seconds (recent)
         self.link_bytes = link_bytes or (lambda: {})
+        self.hbm = hbm or (lambda: {"used_bytes": None, "blocks": None, "capacity_bytes": None})
 
     # ---- job bookkeeping (called by the scheduler half, under the lock) -----------------------
     def shipped(self, job_ids) -> None:

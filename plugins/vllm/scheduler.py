@@ -57,6 +57,7 @@ class RequestState:
     stored_blocks: int = 0  # blocks [0, stored_blocks) are held by kvtier (or were offered)
     local_tokens: int = 0  # vLLM's own prefix hit at admission
     loaded_tokens: int = 0  # tokens loaded from kvtier at admission
+    counted: bool = False  # its prompt is in the hit-rate counters
 
 
 class KVTierScheduler:
@@ -89,6 +90,7 @@ class KVTierScheduler:
         self.lock = threading.RLock()
         self.ops = None
         self.admin = None
+        self._hbm_capacity_blocks = getattr(getattr(vllm_config, "cache_config", None), "num_gpu_blocks", None)
         self._api_url = extra.get("api_url")
         self._served_name = str(extra.get("model_id") or fingerprint.model_id.rpartition("@")[0])
         self._waking = threading.Lock()
@@ -102,7 +104,7 @@ class KVTierScheduler:
         info = {"model": self.fingerprint.model_id, "api_url": self._api_url, "kv_dtype": self.fingerprint.geometry.dtype,
                 "block_tokens": self.block_tokens}
         self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, extra.get("snapshot_dir"), info,
-                       link_bytes=self.link_bytes)
+                       link_bytes=self.link_bytes, hbm=self.hbm_usage)
         tcp = None
         if extra.get("admin_tcp"):
             host, _, port = str(extra["admin_tcp"]).rpartition(":")
@@ -111,6 +113,15 @@ class KVTierScheduler:
             self.admin = AdminServer(self.ops, extra["admin_socket"], tcp, extra.get("admin_token")).start()
         except Exception as exc:  # the engine still serves; only the admin plane is missing
             log.error("kvtier: admin API not started: %s", exc)
+
+    def hbm_usage(self) -> dict:
+        """vLLM's KV cache in HBM: its capacity, and the blocks running requests hold (their block
+        tables; blocks vLLM keeps only as prefix cache are not counted). Called under the lock."""
+        block_bytes = self.fingerprint.geometry.block_bytes
+        used = sum(len(state.block_ids) for state in self.requests.values())
+        capacity = self._hbm_capacity_blocks
+        return {"used_bytes": used * block_bytes, "blocks": used,
+                "capacity_bytes": capacity * block_bytes if capacity else None}
 
     def link_bytes(self) -> dict:
         counters = self.manager.counters
@@ -187,6 +198,10 @@ class KVTierScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._state(request)
+        if not state.counted:  # hit rates: prompt tokens admitted, and how many vLLM's HBM cache held
+            state.counted = True
+            self.manager.counters["prompt_tokens"] += int(getattr(request, "num_prompt_tokens", request.num_tokens))
+            self.manager.counters["hbm_hit_tokens"] += state.local_tokens
         if num_external_tokens <= 0:
             return
         block_ids = list(blocks.get_block_ids()[0])
