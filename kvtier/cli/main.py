@@ -208,6 +208,20 @@ def bench_admin(
     emit_bench("kvtier bench admin", ADMIN_KEYS, results, json_out)
 
 
+@bench_app.command("top")
+@handle_errors
+def bench_top(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quick: bool = typer.Option(False, "--quick", help="15 s of CPU measurement instead of 60 s."),
+    sessions: int = typer.Option(1000, "--sessions", min=1, max=100_000, help="Sessions on the server."),
+) -> None:
+    """CPU of `kvtier top` at a 1 s refresh with 1,000 sessions, and key-to-screen latency (real pty)."""
+    from kvtier.bench.top import TOP_KEYS, run_top_bench
+
+    results = run_top_bench(quick=quick, progress=bench_progress(json_out), sessions=sessions)
+    emit_bench("kvtier bench top", TOP_KEYS, results, json_out)
+
+
 QUALITY_KEYS = ("size_ratio", "top1_agreement", "kl", "needle_acc_128k", "rel_mse_k", "rel_mse_v")
 
 
@@ -351,6 +365,10 @@ def config_show(json_out: bool = typer.Option(False, "--json", help="Print JSON.
 from kvtier.cli.admin import register as _register_admin  # noqa: E402
 
 _register_admin(app, snapshot_app)
+
+from kvtier.cli.top import register as _register_top  # noqa: E402
+
+_register_top(app)
 
 
 def main() -> None:

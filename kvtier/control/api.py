@@ -33,11 +33,13 @@ def _status(ops: "Ops", **_) -> tuple[int, dict]:
         states = ops.manager.session_state_counts()
         in_flight = sum(1 for r in ops.jobs.values() if r.state in ("queued", "running"))
         tiers = _tier_view(stats, ops)
+        links = ops.link_bytes()
     return 200, {
         "api": API_VERSION, **ops.info, "uptime_s": time.time() - ops.started,
+        "snapshot_dir": str(ops.snapshot_dir) if ops.snapshot_dir else None,
         "fingerprint": stats["fingerprint"], "tiers": tiers,
         "sessions": {state: states[state] for state in STATES}, "jobs_in_flight": in_flight,
-        "warnings": stats["warnings"], "counters": stats["counters"], "links": ops.link_bytes(),
+        "warnings": stats["warnings"], "counters": stats["counters"], "links": links,
     }
 
 
@@ -231,6 +233,7 @@ def metrics(ops: "Ops") -> bytes:
         stats = ops.manager.stats()
         states = ops.manager.session_state_counts()
         latency = {kind: list(values) for kind, values in ops.latency.items()}
+        link_bytes = ops.link_bytes()
     counters = stats["counters"]
 
     class Collector:
@@ -251,7 +254,7 @@ def metrics(ops: "Ops") -> bytes:
             tokens.add_metric([], counters.get("loaded_tokens", 0))
             yield tokens
             links = CounterMetricFamily("kvtier_link_bytes", "Bytes moved per link", labels=["link"])
-            for link, value in sorted(ops.link_bytes().items()):
+            for link, value in sorted(link_bytes.items()):
                 links.add_metric([link], value)
             yield links
             sessions = GaugeMetricFamily("kvtier_sessions", "Sessions by state", labels=["state"])

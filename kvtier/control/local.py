@@ -27,8 +27,7 @@ class LocalAdmin:
         self._queue: "queue.Queue" = queue.Queue()
         info = {"model": engine.fingerprint.model_id, "api_url": None, "kv_dtype": engine.fingerprint.geometry.dtype,
                 "block_tokens": engine.fingerprint.geometry.block_tokens}
-        self.ops = Ops(engine.manager, self.lock, self._queue.put, snapshot_dir=snapshot_dir, info=info,
-                       link_bytes=lambda: dict(engine.mover.link_bytes))
+        self.ops = Ops(engine.manager, self.lock, self._queue.put, snapshot_dir=snapshot_dir, info=info)
         self.server = AdminServer(self.ops, socket_path, tcp, token)
         self._thread = threading.Thread(target=self._loop, name="kvtier-local-engine", daemon=True)
         self._stop = False

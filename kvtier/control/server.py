@@ -51,6 +51,7 @@ API_VERSION = "v1"
 MAX_BODY = 64 << 10
 SWITCH_INTERVAL_S = 0.001
 SNAPSHOT_SUFFIX = ".kvsnap"
+LINK_KINDS = ("store", "load", "demote", "promote", "snapshot", "restore")
 _SESSION = r"(?P<session>[^/]+)"
 
 
@@ -86,7 +87,7 @@ class Ops:
 
     def __init__(self, manager, lock: threading.RLock, enqueue: Callable, wake: Callable[[], None] = lambda: None,
                  snapshot_dir: str | os.PathLike | None = None, info: dict | None = None,
-                 link_bytes: Callable[[], dict] | None = None, hbm: Callable[[], dict] | None = None):
+                 hbm: Callable[[], dict] | None = None):
         self.manager = manager
         self.lock = lock
         self.enqueue = enqueue
@@ -97,8 +98,12 @@ class Ops:
         self.jobs: dict[int, JobRecord] = {}
         self.busy: dict[str, int] = {}  # session -> job in flight
         self.latency: dict[str, list[float]] = {}  # job kind -> seconds (recent)
-        self.link_bytes = link_bytes or (lambda: {})
         self.hbm = hbm or (lambda: {"used_bytes": None, "blocks": None, "capacity_bytes": None})
+
+    def link_bytes(self) -> dict[str, int]:
+        """Bytes moved per kind of move since start (the manager's counters, applied job by job)."""
+        counters = self.manager.counters
+        return {kind: counters.get(f"bytes_{kind}", 0) for kind in LINK_KINDS}
 
     # ---- job bookkeeping (called by the scheduler half, under the lock) -----------------------
     def shipped(self, job_ids) -> None:

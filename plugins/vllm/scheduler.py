@@ -103,8 +103,7 @@ class KVTierScheduler:
 
         info = {"model": self.fingerprint.model_id, "api_url": self._api_url, "kv_dtype": self.fingerprint.geometry.dtype,
                 "block_tokens": self.block_tokens}
-        self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, extra.get("snapshot_dir"), info,
-                       link_bytes=self.link_bytes, hbm=self.hbm_usage)
+        self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, extra.get("snapshot_dir"), info, hbm=self.hbm_usage)
         tcp = None
         if extra.get("admin_tcp"):
             host, _, port = str(extra["admin_tcp"]).rpartition(":")
@@ -122,11 +121,6 @@ class KVTierScheduler:
         capacity = self._hbm_capacity_blocks
         return {"used_bytes": used * block_bytes, "blocks": used,
                 "capacity_bytes": capacity * block_bytes if capacity else None}
-
-    def link_bytes(self) -> dict:
-        counters = self.manager.counters
-        return {kind: counters.get(f"bytes_{kind}", 0) for kind in
-                ("store", "load", "demote", "promote", "snapshot", "restore")}
 
     def wake(self) -> None:
         """Keep the engine stepping while admin jobs are in flight.

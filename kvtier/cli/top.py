@@ -1,0 +1,98 @@
+"""``kvtier top``: the live dashboard (Textual, imported only when the command runs)."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvtier.cli.output import emit_json, handle_errors, print_table
+from kvtier.errors import UsageError
+
+__all__ = ["register"]
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("top")
+    @handle_errors
+    def top(
+        socket: Optional[str] = typer.Option(None, "--socket", help="Admin socket (default: the one `kvtier serve` prints)."),
+        interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="Seconds between samples."),
+        once: bool = typer.Option(False, "--once", help="Print one sample and exit (no TTY needed)."),
+        json_out: bool = typer.Option(False, "--json", help="With --once: the sample as JSON."),
+        record: Optional[Path] = typer.Option(None, "--record", help="Append every sample to FILE (JSON lines)."),
+        replay: Optional[Path] = typer.Option(None, "--replay", help="Show a recording instead of a live server."),
+    ) -> None:
+        """Live dashboard: tier occupancy, link throughput, hit rates, sessions and jobs, with keys to act."""
+        from kvtier.tui.collector import Collector, replay as read_recording
+
+        if json_out and not once:
+            raise UsageError("--json needs --once", hint="kvtier top --once --json")
+        if replay is not None and record is not None:
+            raise UsageError("--record and --replay do not go together", hint="record a live server, replay the file")
+        recorder = None
+        if record is not None:
+            try:
+                handle = open(record, "a", encoding="utf-8")
+            except OSError as exc:
+                raise UsageError(f"cannot write {record}: {exc.strerror}", hint="choose a writable path") from None
+
+            def recorder(snapshot) -> None:
+                handle.write(snapshot.to_json() + "\n")
+                handle.flush()
+
+        client = None
+        if replay is not None:
+            snapshots = read_recording(str(replay))
+            first = next(snapshots, None)
+            if first is None:
+                raise UsageError(f"{replay} holds no snapshots", hint="record one with `kvtier top --record FILE`")
+            source = lambda: next(snapshots, None)  # noqa: E731
+        else:
+            from kvtier.control.client import AdminClient
+
+            client = AdminClient(socket)
+            collector = Collector(client)
+            first = None
+            source = collector.poll
+        if once:
+            snapshot = first
+            if snapshot is None:
+                collector.poll()  # counters' first sample: rates need two
+                time.sleep(min(interval, 1.0))
+                snapshot = collector.poll()
+            if recorder is not None:
+                recorder(snapshot)
+            _print_once(snapshot, json_out)
+            return
+        if not sys.stdout.isatty():
+            raise UsageError("kvtier top needs a terminal", hint="use `kvtier top --once [--json]` in scripts")
+        from kvtier.tui.app import TopApp
+
+        TopApp(source, interval=interval, client=client, record=recorder, first=first).run()
+
+
+def _print_once(snapshot, json_out: bool) -> None:
+    from dataclasses import asdict
+
+    from kvtier.tui.app import human_bytes, human_rate, idle_text
+
+    if json_out:
+        emit_json(asdict(snapshot))
+        return
+    for banner in snapshot.banners:
+        typer.echo(f"note: {banner}", err=True)
+    print_table("tiers", ["tier", "used", "capacity", "%", "codec"],
+                [(t.name, human_bytes(t.used_bytes), human_bytes(t.capacity_bytes),
+                  "N/A" if t.fraction is None else f"{t.fraction * 100:.0f}%", t.codec) for t in snapshot.tiers])
+    print_table("hit rates (share of prompt tokens)", ["tier", "hits"],
+                [(name, "N/A" if rate is None else f"{rate * 100:.1f}%") for name, rate in snapshot.hit_rates])
+    print_table("links", ["link", "rate", "source"],
+                [(link.name, human_rate(link.bytes_per_s), link.source) for link in snapshot.links])
+    rows = sorted(snapshot.sessions, key=lambda r: -r.last_use)[:20]
+    print_table(f"sessions ({len(snapshot.sessions)}, most recent first)",
+                ["session", "state", "tokens", "DRAM", "NVMe", "idle"],
+                [(r.session_id, r.state, f"{r.tokens:,}", human_bytes(r.bytes_dram), human_bytes(r.bytes_nvme),
+                  idle_text(snapshot.taken - r.last_use)) for r in rows])

@@ -1,0 +1,661 @@
+"""``kvtier top``: the Textual dashboard. Widgets only render the latest ``Snapshot``; a thread worker
+polls the source (the collector, or a recording) and schedules its own next poll.
+
+Keys: p pin/unpin, e evict, s snapshot, r restore, / filter, o sort, enter details, ? help, q quit.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Iterator
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Footer, Input, Static
+
+from kvtier.errors import KvtierError
+from kvtier.tui.model import Snapshot, SessionRow
+
+__all__ = ["TopApp", "human_bytes", "human_rate"]
+
+SPARKS = "▁▂▃▄▅▆▇█"
+SORTS = ("last use", "tokens", "bytes", "session", "state")
+STATE_STYLE = {"hot": "bold red", "warm": "yellow", "cold": "cyan", "pinned": "bold magenta", "gone": "dim"}
+COLUMNS = (("session", "session"), ("state", "state"), ("tokens", "tokens"), ("dram", "DRAM"),
+           ("nvme", "NVMe"), ("codec", "codec"), ("idle", "idle"), ("job", "job"))
+HELP = """\
+ p      pin the selected session (choose DRAM or NVMe), or unpin it
+ e      evict: to DRAM, to NVMe, or drop (asks to confirm)
+ s      snapshot the session to a file (default: the server's snapshot dir)
+ r      restore a session from a snapshot file
+ /      filter sessions (part of an id, or a state: hot warm cold pinned gone)
+ o      change the sort order
+ enter  session details
+ ?      this help        q  quit
+
+Bars: HBM is vLLM's KV cache (blocks held by running requests), DRAM
+kvtier's pinned-memory pool, NVMe its block store. Hits: share of
+prompt tokens served by each tier since the server started. Links:
+kvtier's own byte counters; PCIe from NVML; disk from the host (psutil).
+"""
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "N/A"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def short_bytes(n: float | None) -> str:
+    """Four or five characters: 13.3M, 1.0G, 512K."""
+    if n is None:
+        return "N/A"
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" or n >= 100 else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"  # pragma: no cover
+
+
+def human_rate(n: float | None) -> str:
+    return "N/A" if n is None else human_bytes(n) + "/s"
+
+
+def idle_text(seconds: float) -> str:
+    """Coarse on purpose: a column that changes every second for every row costs redraws."""
+    if seconds < 60:
+        return "<1m"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m"
+    if seconds < 86400:
+        return f"{int(seconds // 3600)}h"
+    return f"{int(seconds // 86400)}d"
+
+
+def spark(history: tuple[float, ...], width: int) -> str:
+    values = history[-width:]
+    if not values:
+        return " " * width
+    top = max(values) or 1.0
+    line = "".join(SPARKS[min(7, int(v / top * 7.999))] if v > 0 else " " for v in values)
+    return line.rjust(width)
+
+
+# ---- panels -------------------------------------------------------------------------------------
+class Panel(Static):
+    snapshot: Snapshot | None = None
+
+    def show(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.refresh()
+
+
+class Header(Static):
+    """One line; redrawn without a layout pass (``Static.update`` relayouts the screen)."""
+
+    line = ""
+
+    def set(self, line: str) -> None:
+        if line != self.line:
+            self.line = line
+            self.refresh()
+
+    def render(self) -> str:
+        return self.line
+
+
+class TiersPanel(Panel):
+    def render(self) -> Text:
+        snap = self.snapshot
+        text = Text("Tiers\n", style="bold")
+        if snap is None or not snap.tiers:
+            return text + Text("N/A (no server)", style="dim")
+        width = max(10, self.size.width)
+        bar_width = max(4, width - 5 - 5 - 12 - 9)  # name, percent, used/capacity, codec
+        for tier in snap.tiers:
+            fraction = tier.fraction
+            text.append(f"{tier.name.upper():<5}")
+            if fraction is None:
+                text.append("━" * bar_width, style="dim")
+                text.append("  N/A")
+            else:
+                filled = int(round(fraction * bar_width))
+                style = "red" if fraction > 0.9 else "yellow" if fraction > 0.75 else "green"
+                text.append("━" * filled, style=style)
+                text.append("━" * (bar_width - filled), style="dim")
+                text.append(f" {fraction * 100:3.0f}%")
+            used = f"{short_bytes(tier.used_bytes)}/{short_bytes(tier.capacity_bytes)}"
+            text.append(f" {used:>11}")
+            text.append(f" {tier.codec[:8]:<8}\n", style="dim")
+        hits = "  ".join(f"{name.upper()} {'N/A' if rate is None else f'{rate * 100:.0f}%'}"
+                         for name, rate in snap.hit_rates)
+        text.append("hits ", style="bold")
+        text.append(hits or "N/A")
+        return text
+
+
+class LinksPanel(Panel):
+    def render(self) -> Text:
+        snap = self.snapshot
+        text = Text("Links", style="bold")
+        text.append("  (kvtier, NVML, host disk)\n", style="dim")
+        if snap is None:
+            return text
+        rows = self._rows(snap)
+        width = max(10, self.size.width)
+        spark_width = max(4, width - 24)
+        for name, rate, history in rows:
+            text.append(f"{name:<11}")
+            text.append(spark(history, spark_width), style="cyan")
+            text.append(f" {human_rate(rate):>11}\n", style="dim" if rate is None else "")
+        return text
+
+    def _rows(self, snap: Snapshot) -> list[tuple[str, float | None, tuple[float, ...]]]:
+        links = {link.name: link for link in snap.links}
+        if self.size.height >= len(snap.links) + 1:  # room for every link
+            return [(link.name, link.bytes_per_s, link.history) for link in snap.links]
+        # compact: six rows, NVMe and disk traffic summed
+        def total(names: tuple[str, ...]) -> tuple[float | None, tuple[float, ...]]:
+            chosen = [links[n] for n in names if n in links]
+            rates = [link.bytes_per_s for link in chosen if link.bytes_per_s is not None]
+            length = max((len(link.history) for link in chosen), default=0)
+            history = tuple(sum(link.history[i - length + len(link.history)] for link in chosen
+                                if i - length + len(link.history) >= 0) for i in range(length))
+            return (sum(rates) if rates else None), history
+
+        out = []
+        for label, names in (("PCIe →GPU", ("PCIe →GPU",)), ("PCIe GPU→", ("PCIe GPU→",)),
+                             ("DRAM→HBM", ("DRAM→HBM",)), ("HBM→DRAM", ("HBM→DRAM",)),
+                             ("NVMe r+w", ("DRAM→NVMe", "NVMe→DRAM", "snapshot", "restore")),
+                             ("disk r+w", ("disk read", "disk write"))):
+            rate, history = total(names)
+            out.append((label, rate, history))
+        return out
+
+
+class JobsPanel(Panel):
+    def render(self) -> Text:
+        snap = self.snapshot
+        text = Text()
+        if snap is None or not snap.jobs:
+            return Text("jobs: none yet", style="dim")
+        for job in snap.jobs[: max(1, self.size.height)]:
+            style = {"failed": "red", "done": "green"}.get(job.state, "yellow")
+            text.append(f"#{job.id:<4} {job.kind:<8} {str(job.session_id or '-')[:20]:<20} ")
+            text.append(f"{job.state:<7}", style=style)
+            done = job.state in ("done", "failed")
+            text.append(f" {human_bytes(job.bytes) if done else '…':>9}")
+            if job.seconds is not None:
+                text.append(f" {job.seconds:.2f}s")
+            if job.error:
+                text.append(f" {job.error[:60]}", style="red")
+            text.append("\n")
+        text.rstrip()
+        return text
+
+
+class SessionTable(DataTable):
+    """A window onto the sorted session list: it holds only the rows on screen (a thousand rows
+    rebuilt every second were most of top's CPU), and moving past its edges scrolls the window."""
+
+    def action_cursor_up(self) -> None:
+        self.app.move_selection(-1)
+
+    def action_cursor_down(self) -> None:
+        self.app.move_selection(1)
+
+    def action_page_up(self) -> None:
+        self.app.move_selection(-max(1, self.visible_rows() - 1))
+
+    def action_page_down(self) -> None:
+        self.app.move_selection(max(1, self.visible_rows() - 1))
+
+    def action_scroll_top(self) -> None:
+        self.app.move_selection(-10**9)
+
+    action_scroll_home = action_scroll_top
+
+    def action_scroll_bottom(self) -> None:
+        self.app.move_selection(10**9)
+
+    action_scroll_end = action_scroll_bottom
+
+    def on_mouse_scroll_down(self, event) -> None:
+        event.stop()
+        self.app.move_selection(3)
+
+    def on_mouse_scroll_up(self, event) -> None:
+        event.stop()
+        self.app.move_selection(-3)
+
+    def visible_rows(self) -> int:
+        return max(1, self.size.height - 1)  # minus the header
+
+    def on_click(self, event) -> None:
+        if event.y >= 1:  # below the header: select that row (the table itself holds no more)
+            self.app.select_position(event.y - 1)
+
+
+# ---- modal screens ------------------------------------------------------------------------------
+class Choice(ModalScreen):
+    """A one-key choice: ``options`` maps a key to (value, label); escape cancels."""
+
+    DEFAULT_CSS = "Choice { align: center middle; } Choice > Static { width: auto; max-width: 70; " \
+                  "border: round $accent; padding: 0 2; background: $panel; }"
+
+    def __init__(self, title: str, options: dict[str, tuple[str, str]]):
+        super().__init__()
+        self.title_text, self.options = title, options
+
+    def compose(self) -> ComposeResult:
+        lines = [self.title_text, ""] + [f" [{key}] {label}" for key, (_, label) in self.options.items()]
+        yield Static("\n".join(lines + ["", " [esc] cancel"]))
+
+    def on_key(self, event) -> None:
+        event.stop()
+        if event.key in self.options:
+            self.dismiss(self.options[event.key][0])
+        elif event.key in ("escape", "q"):
+            self.dismiss(None)
+
+
+class Ask(ModalScreen):
+    """A line of text (a path, a filter): enter accepts, escape cancels."""
+
+    DEFAULT_CSS = "Ask { align: center middle; } Ask > Vertical { width: 72; height: auto; " \
+                  "border: round $accent; background: $panel; padding: 0 1; }"
+
+    def __init__(self, prompt: str, value: str = ""):
+        super().__init__()
+        self.prompt, self.value = prompt, value
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(self.prompt + "  (enter: ok, esc: cancel)")
+            yield Input(value=self.value, id="ask")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.dismiss(event.value)
+
+    def on_key(self, event) -> None:
+        if event.key == "escape":
+            event.stop()
+            self.dismiss(None)
+
+
+class Page(ModalScreen):
+    """Read-only text (help, session details); any of escape, q, enter, ? closes it."""
+
+    DEFAULT_CSS = "Page { align: center middle; } Page > Static { width: auto; max-width: 78; height: auto; " \
+                  "max-height: 95%; border: round $accent; padding: 0 1; background: $panel; }"
+
+    def __init__(self, title: str, body: str):
+        super().__init__()
+        self.title_text, self.body = title, body
+
+    def compose(self) -> ComposeResult:
+        yield Static(Text(self.title_text + "\n\n", style="bold") + Text(self.body))
+
+    def on_key(self, event) -> None:
+        event.stop()
+        if event.key in ("escape", "q", "enter", "question_mark"):
+            self.dismiss(None)
+
+
+# ---- the app ------------------------------------------------------------------------------------
+class TopApp(App):
+    TITLE = "kvtier top"
+    ENABLE_COMMAND_PALETTE = False
+    CSS = """
+    #header { height: 1; background: $primary; color: $text; padding: 0 1; }
+    #banner { height: auto; max-height: 3; background: $warning 25%; padding: 0 1; }
+    #panels { height: 7; }
+    #tiers { width: 1fr; height: 100%; padding: 0 1; }
+    #links { width: 1fr; height: 100%; padding: 0 1; }
+    #sessions { height: 1fr; }
+    #jobs { height: 3; padding: 0 1; border-top: solid $primary; }
+    """
+    BINDINGS = [
+        Binding("p", "pin", "pin"), Binding("e", "evict", "evict"), Binding("s", "snapshot", "snapshot"),
+        Binding("r", "restore", "restore"), Binding("slash", "filter", "filter"), Binding("o", "sort", "sort"),
+        Binding("question_mark", "help", "help"), Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, source: Callable[[], Snapshot | None], interval: float = 1.0, client=None,
+                 record: Callable[[Snapshot], None] | None = None, first: Snapshot | None = None):
+        super().__init__()
+        self.source, self.interval, self.client, self.record = source, interval, client, record
+        self.snapshot: Snapshot | None = first
+        self.filter = ""
+        self.sort = 0
+        self._rows_all: list[SessionRow] = []  # filtered and sorted
+        self._selected: str | None = None  # the selected session, kept across reorders
+        self._cursor = 0  # its index in _rows_all
+        self._top = 0  # index of the first row on screen
+        self._keys: list[str] = []  # rows now in the table (the window)
+        self._drawn: list[tuple] = []  # the cells on screen, by position
+        self._banners: tuple[str, ...] | None = None
+        self._poke = threading.Event()
+        self._stopping = threading.Event()
+        self.shown = 0  # snapshots rendered (tests and the benchmark wait on it)
+
+    # ---- layout --------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header(id="header")
+        yield Static(id="banner")
+        with Horizontal(id="panels"):
+            yield TiersPanel(id="tiers")
+            yield LinksPanel(id="links")
+        table = SessionTable(id="sessions", cursor_type="row", zebra_stripes=False, show_cursor=True)
+        for key, label in COLUMNS:
+            table.add_column(label, key=key)
+        yield table
+        yield JobsPanel(id="jobs")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#sessions", DataTable).focus()
+        if self.snapshot is not None:
+            self.show(self.snapshot)
+        else:
+            self._header(None)
+        self.run_worker(self._poll_loop, thread=True, group="poll", name="kvtier-top-poll")
+
+    def on_resize(self, event) -> None:
+        # tall terminals get every link on its own line; 24 rows get six summed ones
+        self.query_one("#panels").styles.height = 12 if event.size.height >= 36 else 7
+
+    def on_unmount(self) -> None:
+        self._stopping.set()
+        self._poke.set()
+
+    # ---- data ----------------------------------------------------------------------------------
+    def _poll_loop(self) -> None:
+        """Poll, hand the snapshot to the UI thread, then wait for the next tick (or a poke)."""
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                snapshot = self.source()
+            except StopIteration:
+                snapshot = None
+            if snapshot is not None:
+                if self.record is not None:
+                    self.record(snapshot)
+                if self._stopping.is_set():
+                    return
+                try:
+                    self.call_from_thread(self.show, snapshot)
+                except RuntimeError:  # the app is closing
+                    return
+            self._poke.wait(max(0.0, self.interval - (time.monotonic() - started)))
+            self._poke.clear()
+
+    def poll_now(self) -> None:
+        self._poke.set()
+
+    def show(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self._header(snapshot)
+        if snapshot.banners != self._banners:  # update() relayouts the screen: only on change
+            self._banners = snapshot.banners
+            banner = self.query_one("#banner", Static)
+            banner.update("\n".join(snapshot.banners))
+            banner.display = bool(snapshot.banners)
+        for panel in self.query(Panel):
+            panel.show(snapshot)
+        self._sessions(snapshot)
+        self.shown += 1
+
+    def _header(self, snap: Snapshot | None) -> None:
+        header = self.query_one("#header", Header)
+        if snap is None:
+            header.set("kvtier top · waiting for the first sample…")
+            return
+        counts: dict[str, int] = {}
+        for row in snap.sessions:
+            counts[row.state] = counts.get(row.state, 0) + 1
+        states = " ".join(f"{state} {counts[state]}" for state in ("hot", "warm", "cold", "pinned", "gone")
+                          if counts.get(state))
+        server = snap.model or "?" if snap.connected else "no server"
+        shown = f"{len(self._rows_all)}/{len(snap.sessions)}" if self.filter else f"{len(snap.sessions)}"
+        extra = f" · filter '{self.filter}'" if self.filter else ""
+        header.set(f"{time.strftime('%H:%M:%S', time.localtime(snap.taken))} · {server} · {shown} sessions "
+                      f"({states or 'none'}) · sort: {SORTS[self.sort]}{extra}")
+
+    def _rows(self, snap: Snapshot) -> list[SessionRow]:
+        rows = list(snap.sessions)
+        if self.filter:
+            needle = self.filter.lower()
+            rows = [r for r in rows if needle == r.state or needle in r.session_id.lower()]
+        key = SORTS[self.sort]
+        if key == "last use":
+            rows.sort(key=lambda r: -r.last_use)
+        elif key == "tokens":
+            rows.sort(key=lambda r: -r.tokens)
+        elif key == "bytes":
+            rows.sort(key=lambda r: -(r.bytes_dram + r.bytes_nvme))
+        elif key == "session":
+            rows.sort(key=lambda r: r.session_id)
+        else:
+            rows.sort(key=lambda r: (r.state, r.session_id))
+        return rows
+
+    def _cells(self, row: SessionRow) -> tuple:
+        codec = row.codec_dram if row.codec_dram == row.codec_nvme else f"{row.codec_dram}/{row.codec_nvme}"
+        state = row.state + (f"·{row.pinned}" if row.pinned else "")
+        return (row.session_id, Text(state, style=STATE_STYLE.get(row.state, "")), f"{row.tokens:,}",
+                human_bytes(row.bytes_dram) if row.bytes_dram else "-",
+                human_bytes(row.bytes_nvme) if row.bytes_nvme else "-", codec, idle_text(self._idle(row)),
+                f"#{row.job}" if row.job else "")
+
+    def _sessions(self, snap: Snapshot) -> None:
+        rows = self._rows(snap)
+        self._rows_all = rows
+        index = {r.session_id: i for i, r in enumerate(rows)}
+        if self._selected in index:
+            self._cursor = index[self._selected]
+        self._cursor = min(max(self._cursor, 0), max(0, len(rows) - 1))
+        self._selected = rows[self._cursor].session_id if rows else None
+        self._draw_window()
+
+    def move_selection(self, delta: int) -> None:
+        if not self._rows_all:
+            return
+        self._cursor = min(max(self._cursor + delta, 0), len(self._rows_all) - 1)
+        self._selected = self._rows_all[self._cursor].session_id
+        self._draw_window()
+
+    def _idle(self, row: SessionRow) -> float:
+        return max(0.0, (self.snapshot.taken if self.snapshot else time.time()) - row.last_use)
+
+    def _draw_window(self) -> None:
+        """Put the window's rows on screen. Table rows are screen positions (keys "0", "1"...):
+        a redraw rewrites the cells that changed, and rows are added or removed only when the
+        window's height changes, so a re-sorted list costs no layout pass."""
+        table = self.query_one("#sessions", SessionTable)
+        height = table.visible_rows()
+        if self._cursor < self._top:
+            self._top = self._cursor
+        elif self._cursor >= self._top + height:
+            self._top = self._cursor - height + 1
+        self._top = max(0, min(self._top, max(0, len(self._rows_all) - height)))
+        window = self._rows_all[self._top:self._top + height]
+        cells = [self._cells(r) for r in window]
+        while table.row_count > len(cells):
+            table.remove_row(str(table.row_count - 1))
+        for position, new in enumerate(cells):
+            if position >= table.row_count:
+                table.add_row(*new, key=str(position))
+                continue
+            old = self._drawn[position]
+            if old != new:
+                for (column, _), a, b in zip(COLUMNS, old, new):
+                    if a != b:
+                        table.update_cell(str(position), column, b)
+        self._keys = [r.session_id for r in window]
+        self._drawn = cells
+        if cells:
+            row = self._cursor - self._top
+            if table.cursor_row != row:
+                table.move_cursor(row=row, animate=False)
+
+    def select_position(self, position: int) -> None:
+        """A click on the table's ``position``-th row."""
+        if 0 <= position < len(self._keys):
+            self.move_selection(self._top + position - self._cursor)
+
+    def selected_session(self) -> str | None:
+        return self._selected
+
+    def _row(self, session_id: str) -> SessionRow | None:
+        if self.snapshot is None:
+            return None
+        return next((r for r in self.snapshot.sessions if r.session_id == session_id), None)
+
+    # ---- actions -------------------------------------------------------------------------------
+    def _need_session(self) -> str | None:
+        session = self.selected_session()
+        if session is None:
+            self.notify("no session selected", severity="warning")
+        elif self.client is None:
+            self.notify("replaying a recording: read-only", severity="warning")
+            return None
+        return session
+
+    def _post(self, label: str, path: str, body: dict) -> None:
+        """Send a write in a thread; report the job, follow it in the jobs panel."""
+        client = self.client
+
+        def run() -> None:
+            try:
+                job = client.post(path, body)
+                message, severity = f"{label}: job #{job['id']} {job['state']}", "information"
+            except KvtierError as exc:
+                message = f"{label}: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else "")
+                severity = "error"
+            try:
+                self.call_from_thread(self.notify, message, severity=severity, timeout=4)
+            except RuntimeError:
+                return
+            self.poll_now()
+
+        self.run_worker(run, thread=True, group="actions")
+
+    def action_pin(self) -> None:
+        session = self._need_session()
+        if session is None:
+            return
+        row = self._row(session)
+        if row is not None and row.pinned:
+            self._post(f"unpin {session}", self.client.session_path(session, "unpin"), {})
+            return
+
+        def chosen(tier: str | None) -> None:
+            if tier:
+                self._post(f"pin {session} to {tier}", self.client.session_path(session, "pin"), {"tier": tier})
+
+        self.push_screen(Choice(f"pin {session} to:", {"d": ("dram", "DRAM (never demoted)"),
+                                                        "n": ("nvme", "NVMe (never dropped)")}), chosen)
+
+    def action_evict(self) -> None:
+        session = self._need_session()
+        if session is None:
+            return
+
+        def confirmed(yes: str | None) -> None:
+            if yes == "yes":
+                self._post(f"drop {session}", self.client.session_path(session, "evict"), {"to": "drop"})
+
+        def chosen(to: str | None) -> None:
+            if to == "drop":
+                self.push_screen(Choice(f"drop every block of {session}? It will need a full prefill.",
+                                        {"y": ("yes", "yes, drop it"), "n": ("no", "no")}), confirmed)
+            elif to:
+                self._post(f"evict {session} to {to}", self.client.session_path(session, "evict"), {"to": to})
+
+        self.push_screen(Choice(f"evict {session}:", {"d": ("dram", "to DRAM (off the NVMe-only path)"),
+                                                      "n": ("nvme", "to NVMe (frees DRAM)"),
+                                                      "x": ("drop", "drop (asks to confirm)")}), chosen)
+
+    def action_snapshot(self) -> None:
+        session = self._need_session()
+        if session is None:
+            return
+        default = f"{self.snapshot.snapshot_dir}/{session}.kvsnap" if self.snapshot and self.snapshot.snapshot_dir \
+            else ""
+
+        def given(path: str | None) -> None:
+            if path is None:
+                return
+            body = {"path": path.strip()} if path.strip() and path.strip() != default else {}
+            self._post(f"snapshot {session}", self.client.session_path(session, "snapshot"), body)
+
+        self.push_screen(Ask(f"snapshot {session} to:", default), given)
+
+    def action_restore(self) -> None:
+        if self.client is None:
+            self.notify("replaying a recording: read-only", severity="warning")
+            return
+        session = self.selected_session()
+        default = ""
+        if self.snapshot and self.snapshot.snapshot_dir and session:
+            default = f"{self.snapshot.snapshot_dir}/{session}.kvsnap"
+
+        def given(path: str | None) -> None:
+            if path and path.strip():
+                self._post(f"restore {path.strip()}", "/v1/restore", {"path": path.strip()})
+
+        self.push_screen(Ask("restore the session in snapshot file:", default), given)
+
+    def action_filter(self) -> None:
+        def given(value: str | None) -> None:
+            if value is not None:
+                self.filter = value.strip()
+                if self.snapshot is not None:
+                    self._sessions(self.snapshot)
+                    self._header(self.snapshot)
+
+        self.push_screen(Ask("filter sessions (id part or state; empty: all):", self.filter), given)
+
+    def action_sort(self) -> None:
+        self.sort = (self.sort + 1) % len(SORTS)
+        if self.snapshot is not None:
+            self._sessions(self.snapshot)
+            self._header(self.snapshot)
+
+    def action_help(self) -> None:
+        self.push_screen(Page("kvtier top: keys", HELP))
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        position = int(event.row_key.value) if event.row_key is not None else -1
+        session = self._keys[position] if 0 <= position < len(self._keys) else None
+        row = self._row(session) if session else None
+        if row is None:
+            return
+        lines = [f"{'state':<12}{row.state}" + (f" (pinned to {row.pinned})" if row.pinned else ""),
+                 f"{'tokens':<12}{row.tokens:,} in {row.blocks:,} blocks",
+                 f"{'DRAM':<12}{row.blocks_dram:,} blocks, {human_bytes(row.bytes_dram)} ({row.codec_dram})",
+                 f"{'NVMe':<12}{row.blocks_nvme:,} blocks, {human_bytes(row.bytes_nvme)} ({row.codec_nvme})",
+                 f"{'last use':<12}{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(row.last_use))}"
+                 f" ({idle_text(self._idle(row))} ago)",
+                 f"{'job':<12}{'#' + str(row.job) if row.job else 'none in flight'}"]
+        jobs = [j for j in (self.snapshot.jobs if self.snapshot else ()) if j.session_id == session][:5]
+        if jobs:
+            lines += ["", "recent jobs:"] + [f"  #{j.id} {j.kind} {j.state} {human_bytes(j.bytes)}" for j in jobs]
+        self.push_screen(Page(f"session {session}", "\n".join(lines)))
+
+
+def replay_source(snapshots: Iterator[Snapshot]) -> Callable[[], Snapshot | None]:
+    """One recorded snapshot per poll; after the last, nothing new (the screen keeps the last one)."""
+    def next_one() -> Snapshot | None:
+        return next(snapshots, None)
+
+    return next_one

@@ -1,0 +1,208 @@
+"""Builds ``Snapshot``s from the admin API and local telemetry (psutil, NVML). No widget code.
+
+Rates are differences between two polls of monotonic counters: kvtier's bytes per link (from the
+server), the host's disk IO (psutil) and, where NVML is present, the GPU's PCIe throughput and
+memory. Anything that cannot be measured here is ``None`` (shown as N/A) with a banner saying why.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable, Iterator
+
+from kvtier.control.client import AdminClient
+from kvtier.errors import KvtierError, NoServerError
+
+from kvtier.tui.model import JobRow, Link, SessionRow, Snapshot, Tier
+
+__all__ = ["Collector", "Nvml", "replay"]
+
+# kvtier's byte counter per link -> the label the dashboard shows
+KVTIER_LINKS = (("load", "DRAM→HBM"), ("store", "HBM→DRAM"), ("demote", "DRAM→NVMe"),
+                ("promote", "NVMe→DRAM"), ("snapshot", "snapshot"), ("restore", "restore"))
+HISTORY = 60
+
+
+class Nvml:
+    """GPU telemetry through nvidia-ml-py, when a GPU and its driver are there."""
+
+    def __init__(self) -> None:
+        self.handle = None
+        self.reason = None
+        self.name = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            name = pynvml.nvmlDeviceGetName(self.handle)
+            name = name.decode() if isinstance(name, bytes) else name
+            try:
+                gen = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(self.handle)
+                width = pynvml.nvmlDeviceGetCurrPcieLinkWidth(self.handle)
+                self.name = f"{name} (PCIe gen{gen} x{width})"
+            except Exception:  # noqa: BLE001 - some boards do not report the link
+                self.name = name
+        except ImportError:
+            self.reason = "nvidia-ml-py is not installed: HBM and PCIe show N/A"
+        except Exception as exc:  # noqa: BLE001 - no driver, no GPU: the usual CPU box
+            self.reason = f"no NVIDIA GPU or driver ({type(exc).__name__}): HBM and PCIe show N/A"
+
+    def sample(self) -> dict[str, float] | None:
+        """PCIe bytes/s each way (NVML's own 20 ms window) and HBM bytes in use."""
+        if self.handle is None:
+            return None
+        try:
+            nvml = self.nvml
+            tx = nvml.nvmlDeviceGetPcieThroughput(self.handle, nvml.NVML_PCIE_UTIL_TX_BYTES) * 1024.0
+            rx = nvml.nvmlDeviceGetPcieThroughput(self.handle, nvml.NVML_PCIE_UTIL_RX_BYTES) * 1024.0
+            memory = nvml.nvmlDeviceGetMemoryInfo(self.handle)
+            return {"pcie_to_gpu": rx, "pcie_from_gpu": tx, "hbm_used": float(memory.used),
+                    "hbm_total": float(memory.total)}
+        except Exception:  # noqa: BLE001 - a GPU that went away must not stop the dashboard
+            return None
+
+
+class Collector:
+    """One ``poll()`` = one snapshot. Keeps the previous counters to turn them into rates."""
+
+    def __init__(self, client: AdminClient, nvml: Nvml | None = None, disk: Callable[[], Any] | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.client = client
+        self.nvml = nvml if nvml is not None else Nvml()
+        self.clock = clock
+        if disk is None:
+            import psutil
+
+            disk = psutil.disk_io_counters
+        self.disk = disk
+        self._last: dict[str, tuple[float, float]] = {}  # counter -> (time, value)
+        self._rows: dict[str, tuple[dict, SessionRow]] = {}  # session -> (its last answer, its row)
+        self._history: dict[str, deque] = {}
+
+    def _rate(self, name: str, now: float, value: float | None) -> float | None:
+        if value is None:
+            return None
+        before = self._last.get(name)
+        self._last[name] = (now, value)
+        if before is None or now <= before[0] or value < before[1]:  # first sample, or a restart
+            return None
+        return (value - before[1]) / (now - before[0])
+
+    def _link(self, name: str, source: str, rate: float | None) -> Link:
+        history = self._history.setdefault(name, deque(maxlen=HISTORY))
+        if rate is not None:
+            history.append(rate)
+        return Link(name, source, rate, tuple(history))
+
+    def poll(self) -> Snapshot:
+        now = self.clock()
+        banners: list[str] = []
+        status = sessions = jobs = None
+        try:
+            status = self.client.get("/v1/status")
+            sessions = self.client.get("/v1/sessions")["sessions"]
+            jobs = self.client.get("/v1/jobs")["jobs"]
+        except NoServerError as exc:
+            banners.append(f"no kvtier server: {exc.message}; {exc.hint or ''} (retrying)")
+        except KvtierError as exc:
+            banners.append(f"admin API error: {exc.message} (retrying)")
+        gpu = self.nvml.sample()
+        if gpu is None and self.nvml.reason:
+            banners.append(self.nvml.reason)
+        links = self._links(now, status, gpu)
+        if status is None:
+            return Snapshot(taken=now, connected=False, banners=tuple(banners), links=links,
+                            gpu=self.nvml.name)
+        banners.extend(f"{tier}: {warning}" for tier, warning in status.get("warnings", {}).items())
+        return Snapshot(
+            taken=now, connected=True, banners=tuple(banners), model=status.get("model"),
+            snapshot_dir=status.get("snapshot_dir"), tiers=_tiers(status["tiers"]), links=links,
+            hit_rates=_hit_rates(status.get("counters", {}), int(status.get("block_tokens") or 0)),
+            sessions=self._sessions(sessions), jobs=tuple(_job(j) for j in jobs[:50]),
+            gpu=self.nvml.name,
+        )
+
+    def _sessions(self, answer: list[dict]) -> tuple[SessionRow, ...]:
+        """Rows for the session list; a session whose answer did not change keeps its row object
+        (1,000 sessions a second: building them all again was a quarter of top's CPU)."""
+        previous, rows, out = self._rows, {}, []
+        for doc in answer:
+            doc.pop("idle_seconds", None)  # derived from last_use; it changes every poll
+            session_id = doc["session_id"]
+            cached = previous.get(session_id)
+            row = cached[1] if cached is not None and cached[0] == doc else _session(doc)
+            rows[session_id] = (doc, row)
+            out.append(row)
+        self._rows = rows
+        return tuple(out)
+
+    def _links(self, now: float, status: dict | None, gpu: dict | None) -> tuple[Link, ...]:
+        links = []
+        counters = (status or {}).get("links", {})
+        for key, label in KVTIER_LINKS:
+            links.append(self._link(label, "kvtier", self._rate(key, now, counters.get(key)) if status else None))
+        links.append(self._link("PCIe →GPU", "nvml", gpu["pcie_to_gpu"] if gpu else None))
+        links.append(self._link("PCIe GPU→", "nvml", gpu["pcie_from_gpu"] if gpu else None))
+        try:
+            disk = self.disk()
+        except Exception:  # noqa: BLE001 - containers without /proc/diskstats
+            disk = None
+        links.append(self._link("disk read", "psutil", self._rate("disk_read", now, disk.read_bytes if disk else None)))
+        links.append(self._link("disk write", "psutil",
+                                self._rate("disk_write", now, disk.write_bytes if disk else None)))
+        return tuple(links)
+
+
+def _tiers(tiers: dict) -> tuple[Tier, ...]:
+    hbm = tiers.get("hbm", {})
+    out = [Tier("hbm", hbm.get("used_bytes"), hbm.get("capacity_bytes"), hbm.get("blocks"),
+                hbm.get("kv_dtype", "?"), hbm.get("tokens_per_gib"))]
+    for name in ("dram", "nvme"):
+        t = tiers.get(name, {})
+        out.append(Tier(name, t.get("used_bytes"), t.get("capacity_bytes"), t.get("blocks"), t.get("codec", "none"),
+                        t.get("tokens_per_gib")))
+    return tuple(out)
+
+
+def _hit_rates(counters: dict, block_tokens: int) -> tuple[tuple[str, float | None], ...]:
+    """Share of admitted prompt tokens served by each tier, since the server started."""
+    prompt = counters.get("prompt_tokens", 0)
+    if not prompt:
+        return (("hbm", None), ("dram", None), ("nvme", None))
+    return (("hbm", counters.get("hbm_hit_tokens", 0) / prompt),
+            ("dram", counters.get("hit_dram_blocks", 0) * block_tokens / prompt),
+            ("nvme", counters.get("hit_nvme_blocks", 0) * block_tokens / prompt))
+
+
+def _session(row: dict) -> SessionRow:
+    return SessionRow(row["session_id"], row["state"], row["tokens"], row["blocks"], row["blocks_dram"],
+                      row["blocks_nvme"], row["bytes_dram"], row["bytes_nvme"], row.get("pinned"),
+                      float(row.get("last_use", 0.0)), row.get("job"),
+                      row.get("codec_dram", "none"), row.get("codec_nvme", "none"))
+
+
+def _job(doc: dict) -> JobRow:
+    return JobRow(doc["id"], doc["kind"], doc.get("session_id"), doc["state"], float(doc.get("progress", 0.0)),
+                  int(doc.get("bytes") or 0), doc.get("seconds"), doc.get("error"), doc.get("path"))
+
+
+def replay(path: str) -> Iterator[Snapshot]:
+    """The snapshots of a recording, in order."""
+    from kvtier.errors import UsageError
+
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read recording {path}: {exc.strerror}", hint="record one with --record FILE") \
+            from None
+    with handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                yield Snapshot.from_json(line)
+            except (ValueError, TypeError, KeyError) as exc:
+                raise UsageError(f"{path}:{number}: not a kvtier top recording ({exc})",
+                                 hint="record one with `kvtier top --record FILE`") from None

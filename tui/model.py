@@ -1,0 +1,105 @@
+"""What the dashboard renders: frozen snapshots, built by the collector (or read back from a
+recording) and never changed afterwards. Widgets only ever look at the latest one.
+
+A recording (``kvtier top --record FILE``) is one snapshot per line, as JSON.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["Tier", "Link", "SessionRow", "JobRow", "Snapshot", "SNAPSHOT_VERSION"]
+
+SNAPSHOT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str  # hbm | dram | nvme
+    used_bytes: int | None
+    capacity_bytes: int | None
+    blocks: int | None
+    codec: str
+    tokens_per_gib: int | None = None
+
+    @property
+    def fraction(self) -> float | None:
+        if self.used_bytes is None or not self.capacity_bytes:
+            return None
+        return min(1.0, self.used_bytes / self.capacity_bytes)
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str  # a short label: "HBM→DRAM", "disk read"...
+    source: str  # where the figure comes from: kvtier | nvml | psutil
+    bytes_per_s: float | None  # None: not measurable here (no GPU, first sample)
+    history: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    session_id: str
+    state: str
+    tokens: int
+    blocks: int
+    blocks_dram: int
+    blocks_nvme: int
+    bytes_dram: int
+    bytes_nvme: int
+    pinned: str | None
+    last_use: float  # unix time; idle time is the snapshot's ``taken`` minus this
+    job: int | None
+    codec_dram: str
+    codec_nvme: str
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: int
+    kind: str
+    session_id: str | None
+    state: str
+    progress: float
+    bytes: int
+    seconds: float | None
+    error: str | None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    taken: float
+    connected: bool
+    banners: tuple[str, ...] = ()
+    model: str | None = None
+    snapshot_dir: str | None = None
+    tiers: tuple[Tier, ...] = ()
+    links: tuple[Link, ...] = ()
+    hit_rates: tuple[tuple[str, float | None], ...] = ()  # tier -> share of admitted prompt tokens
+    sessions: tuple[SessionRow, ...] = ()
+    jobs: tuple[JobRow, ...] = ()
+    gpu: str | None = None
+    version: int = field(default=SNAPSHOT_VERSION)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> "Snapshot":
+        if doc.get("version") != SNAPSHOT_VERSION:
+            raise ValueError(f"recorded snapshot version {doc.get('version')!r}, expected {SNAPSHOT_VERSION}")
+        known = {f.name for f in fields(cls)}
+        doc = {k: v for k, v in doc.items() if k in known}
+        doc["banners"] = tuple(doc.get("banners", ()))
+        doc["tiers"] = tuple(Tier(**t) for t in doc.get("tiers", ()))
+        doc["links"] = tuple(Link(**{**l, "history": tuple(l.get("history", ()))}) for l in doc.get("links", ()))
+        doc["hit_rates"] = tuple((name, rate) for name, rate in doc.get("hit_rates", ()))
+        doc["sessions"] = tuple(SessionRow(**s) for s in doc.get("sessions", ()))
+        doc["jobs"] = tuple(JobRow(**j) for j in doc.get("jobs", ()))
+        return cls(**doc)
+
+    @classmethod
+    def from_json(cls, line: str) -> "Snapshot":
+        return cls.from_dict(json.loads(line))
