@@ -339,3 +339,22 @@ def test_admin_latency_bench_measures_admin_and_reference():
     assert out["p99_ms_under_load"] > 0 and out["_p99_ms_reference"] > 0
     assert out["_p50_ms_under_load"] <= out["p99_ms_under_load"]
     assert out["_p99_ms_over_reference"] == out["p99_ms_under_load"] - out["_p99_ms_reference"]
+
+
+def test_one_client_shared_by_threads(server):
+    """`kvtier top` polls and acts through one client from two threads."""
+    client, errors = AdminClient(server.sock), []
+
+    def reader():
+        try:
+            for _ in range(40):
+                assert client.get("/v1/sessions")["total"] == 2
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

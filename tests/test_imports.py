@@ -94,3 +94,21 @@ def test_every_package_directory_is_installed():
             rel = init.parent.relative_to(root / folder).parts
             found.add(".".join((name, *rel)))
     assert found <= listed, f"not installed: {sorted(found - listed)}"
+
+
+def test_tui_only_talks_to_the_admin_client():
+    """tui -> kvtier.control (client) only: never vLLM, torch, or the tier manager itself."""
+    tui = Path(kvtier.__file__).resolve().parents[1] / "tui"
+    allowed_kvtier = {"kvtier.control.client", "kvtier.errors", "kvtier.tui.model", "kvtier.tui.collector",
+                      "kvtier.tui.app"}
+    for path in tui.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in names:
+                assert name.split(".")[0] not in {"torch", "vllm", "numpy"}, (path.name, name)
+                if name.startswith("kvtier"):
+                    assert name in allowed_kvtier, (path.name, name)
+    loaded = _modules_after("import kvtier.tui.app, kvtier.tui.collector")
+    assert "textual" in loaded and not loaded & {"torch", "vllm"}

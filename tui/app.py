@@ -27,19 +27,20 @@ STATE_STYLE = {"hot": "bold red", "warm": "yellow", "cold": "cyan", "pinned": "b
 COLUMNS = (("session", "session"), ("state", "state"), ("tokens", "tokens"), ("dram", "DRAM"),
            ("nvme", "NVMe"), ("codec", "codec"), ("idle", "idle"), ("job", "job"))
 HELP = """\
- p      pin the selected session (choose DRAM or NVMe), or unpin it
+ p      pin the selected session (to DRAM or NVMe), or unpin it
  e      evict: to DRAM, to NVMe, or drop (asks to confirm)
- s      snapshot the session to a file (default: the server's snapshot dir)
+ s      snapshot the session to a file (default: the snapshot dir)
  r      restore a session from a snapshot file
- /      filter sessions (part of an id, or a state: hot warm cold pinned gone)
+ /      filter: part of a session id, or a state (hot warm cold
+        pinned gone); empty shows all
  o      change the sort order
- enter  session details
- ?      this help        q  quit
+ ↑↓ PgUp PgDn Home End   move;   enter   session details
+ ?      this help;   q   quit
 
-Bars: HBM is vLLM's KV cache (blocks held by running requests), DRAM
-kvtier's pinned-memory pool, NVMe its block store. Hits: share of
-prompt tokens served by each tier since the server started. Links:
-kvtier's own byte counters; PCIe from NVML; disk from the host (psutil).
+Bars: HBM is vLLM's KV cache (blocks held by running requests),
+DRAM kvtier's pinned pool, NVMe its block store. Hits: share of
+prompt tokens each tier served since the server started. Links:
+kvtier's byte counters; PCIe from NVML; disk from the host.
 """
 
 
@@ -238,6 +239,9 @@ class SessionTable(DataTable):
     def visible_rows(self) -> int:
         return max(1, self.size.height - 1)  # minus the header
 
+    def on_resize(self, event) -> None:
+        self.app.redraw_sessions()  # the window's height is the table's
+
     def on_click(self, event) -> None:
         if event.y >= 1:  # below the header: select that row (the table itself holds no more)
             self.app.select_position(event.y - 1)
@@ -422,13 +426,13 @@ class TopApp(App):
         counts: dict[str, int] = {}
         for row in snap.sessions:
             counts[row.state] = counts.get(row.state, 0) + 1
-        states = " ".join(f"{state} {counts[state]}" for state in ("hot", "warm", "cold", "pinned", "gone")
+        states = " ".join(f"{counts[state]} {state}" for state in ("hot", "warm", "cold", "pinned", "gone")
                           if counts.get(state))
         server = snap.model or "?" if snap.connected else "no server"
         shown = f"{len(self._rows_all)}/{len(snap.sessions)}" if self.filter else f"{len(snap.sessions)}"
         extra = f" · filter '{self.filter}'" if self.filter else ""
-        header.set(f"{time.strftime('%H:%M:%S', time.localtime(snap.taken))} · {server} · {shown} sessions "
-                      f"({states or 'none'}) · sort: {SORTS[self.sort]}{extra}")
+        header.set(f"{time.strftime('%H:%M:%S', time.localtime(snap.taken))} {server} │ {shown} sessions: "
+                      f"{states or 'none'} │ by {SORTS[self.sort]}{extra}")
 
     def _rows(self, snap: Snapshot) -> list[SessionRow]:
         rows = list(snap.sessions)
@@ -506,6 +510,10 @@ class TopApp(App):
             row = self._cursor - self._top
             if table.cursor_row != row:
                 table.move_cursor(row=row, animate=False)
+
+    def redraw_sessions(self) -> None:
+        if self.snapshot is not None:
+            self._draw_window()
 
     def select_position(self, position: int) -> None:
         """A click on the table's ``position``-th row."""

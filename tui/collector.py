@@ -108,6 +108,9 @@ class Collector:
             banners.append(f"no kvtier server: {exc.message}; {exc.hint or ''} (retrying)")
         except KvtierError as exc:
             banners.append(f"admin API error: {exc.message} (retrying)")
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a broken answer must not stop the dashboard
+            status = None
+            banners.append(f"admin API error: {type(exc).__name__}: {exc} (retrying)")
         gpu = self.nvml.sample()
         if gpu is None and self.nvml.reason:
             banners.append(self.nvml.reason)

@@ -5,6 +5,7 @@ import http.client
 import json
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable
 from urllib.parse import quote, urlencode
@@ -46,6 +47,7 @@ class AdminClient:
         self.url = url  # http://127.0.0.1:PORT for the token-protected TCP listener
         self.token = token
         self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()  # one connection: `kvtier top` polls and acts from two threads
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
@@ -64,6 +66,10 @@ class AdminClient:
             self._conn = None
 
     def request(self, method: str, path: str, body: dict | None = None, raw: bool = False) -> Any:
+        with self._lock:
+            return self._request(method, path, body, raw)
+
+    def _request(self, method: str, path: str, body: dict | None, raw: bool) -> Any:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if data is not None else {}
         if self.token:
@@ -79,7 +85,8 @@ class AdminClient:
                 self.close()
                 raise NoServerError(f"no kvtier server is listening on {self.socket_path}",
                                     hint=NO_SERVER_HINT) from None
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            except (http.client.RemoteDisconnected, http.client.IncompleteRead, BrokenPipeError,
+                    ConnectionResetError):
                 self.close()
                 if attempt:
                     raise NoServerError("the kvtier server closed the connection", hint=NO_SERVER_HINT) from None
