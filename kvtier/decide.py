@@ -1,13 +1,17 @@
 """The one place that decides whether a cache hit is loaded or recomputed.
 
 Every load decision in kvtier goes through ``blocks_to_load``: the vLLM connector asks it how many
-of a request's stored blocks to load. Today it loads every hit that is at least
-``min_blocks`` long; the measured cost model (issue 7) plugs in here and may choose to load only
-the front of a hit and recompute the rest, or nothing at all.
+of a request's stored blocks to load. With a fitted cost model (``kvtier.costmodel``) it loads the
+prefix of the hit that minimizes predicted load + recompute time: all of it, its front, or none.
+Without one (no prefill measured yet) it loads every hit at least ``min_blocks`` long.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.costmodel import CostModel
 
 __all__ = ["LoadCandidate", "blocks_to_load"]
 
@@ -20,10 +24,18 @@ class LoadCandidate:
     hit_blocks: int  # stored blocks after those, in prefix order
     dram_blocks: int  # of the hit, how many sit in DRAM (the rest are on NVMe)
     block_tokens: int
+    in_dram: tuple[bool, ...] = ()  # per hit block, in order (empty: the DRAM blocks come first)
+    prompt_tokens: int = 0  # the whole prompt (0: unknown, the hit's end)
 
 
-def blocks_to_load(candidate: LoadCandidate, min_blocks: int = 1) -> int:
+def blocks_to_load(candidate: LoadCandidate, model: "CostModel | None" = None, min_blocks: int = 1) -> int:
     """How many of ``candidate.hit_blocks`` to load (a prefix of them); the rest are recomputed."""
     if candidate.hit_blocks < min_blocks:
         return 0
-    return candidate.hit_blocks
+    if model is None or model.prefill is None:
+        return candidate.hit_blocks
+    flags = candidate.in_dram or tuple([True] * candidate.dram_blocks +
+                                       [False] * (candidate.hit_blocks - candidate.dram_blocks))
+    end = (candidate.computed_blocks + candidate.hit_blocks) * candidate.block_tokens
+    split = model.best_split(candidate.computed_blocks, flags, max(candidate.prompt_tokens, end))
+    return split.blocks

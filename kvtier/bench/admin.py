@@ -130,7 +130,7 @@ def is_valid_request(method: str, path: str, body: bytes | None, known_sessions=
             return False
     else:
         doc = {}
-    reads = {"/v1/status", "/v1/tiers", "/v1/sessions", "/v1/jobs", "/v1/openapi.json", "/metrics"}
+    reads = {"/v1/status", "/v1/tiers", "/v1/sessions", "/v1/jobs", "/v1/openapi.json", "/v1/costmodel", "/metrics"}
     if method == "GET":
         if path in reads:
             return True

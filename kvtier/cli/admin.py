@@ -125,6 +125,11 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
                 ("NVMe", f"{doc['blocks_nvme']} blocks, {human_bytes(doc['bytes_nvme'])}, codec {doc['codec_nvme']}"),
                 ("pinned", doc["pinned"] or "no"), ("last use", _ago(doc["last_use"])),
                 ("job", doc.get("job") or "-")]
+        if doc.get("restore_s") is not None:
+            rows.append(("next turn", f"restore {doc['restore_s'] * 1e3:.0f} ms vs recompute "
+                                      f"{doc['recompute_s'] * 1e3:.0f} ms: {doc['decision']}"))
+        else:
+            rows.append(("next turn", "no cost model yet (the engine has not timed a prefill)"))
         print_table(f"session {session}", ["", ""], rows)
 
     def write(action: str, label: str, session: str, body: dict, wait: bool, json_out: bool,

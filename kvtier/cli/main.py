@@ -368,6 +368,65 @@ _register_admin(app, snapshot_app)
 
 from kvtier.cli.top import register as _register_top  # noqa: E402
 
+
+@app.command("doctor")
+@handle_errors
+def doctor(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    nvme_dir: Optional[str] = typer.Option(None, "--nvme-dir", help="NVMe tier directory (default: from config)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model directory for KV geometry (default: the demo)."),
+    link_gbps: Optional[str] = typer.Option(None, "--link-gbps", help="Cap links, GB/s: pcie=3.9,nvme=1.5."),
+    socket: Optional[str] = typer.Option(None, "--socket", help="Admin socket of a running server (optional)."),
+    quick: bool = typer.Option(False, "--quick", help="Smaller bandwidth measurements."),
+) -> None:
+    """Links, disks and the load-or-recompute break-even on this box, with plain warnings."""
+    from kvtier.config import load_settings
+    from kvtier.control.client import AdminClient
+    from kvtier.costmodel import parse_link_caps
+    from kvtier.doctor import run_doctor
+    from kvtier.errors import KvtierError
+
+    settings, _ = load_settings()
+    caps = parse_link_caps(link_gbps)
+    server = None
+    try:
+        client = AdminClient(socket, timeout=5)
+        server = {"status": client.get("/v1/status"), "costmodel": client.get("/v1/costmodel")}
+    except KvtierError:
+        server = None
+    report = run_doctor(nvme_dir or settings.nvme_dir, model, caps, server, quick=quick)
+    if json_out:
+        emit_json(report)
+        return
+    _print_doctor(report)
+
+
+def _print_doctor(report: dict) -> None:
+    gpu = report["gpu"]
+    rows = [("GPU", f"{gpu['name']} PCIe gen{gpu.get('gen')} x{gpu.get('width')} (max gen{gpu.get('max_gen')} "
+                    f"x{gpu.get('max_width')})" if gpu.get("present") else f"none: {gpu['why']}")]
+    if "nvme" in report:
+        n = report["nvme"]
+        rows.append(("NVMe dir", f"{n['dir']} on {n['filesystem']} ({n['mount']}), {human_bytes(n['free_bytes'])} free, "
+                                 f"O_DIRECT {'yes' if n['o_direct'] else 'no'}"))
+    rows.append(("memlock", "unlimited" if report["memlock_bytes"] is None else human_bytes(report["memlock_bytes"])))
+    r = report["rates"]
+    rows.append(("host->device", f"{r['host_to_device_gbps']:.2f} GB/s ({r['sources'].get('host_to_device_bps')})"))
+    rows.append(("NVMe reads", f"{r['nvme_read_gbps']:.2f} GB/s ({r['sources'].get('nvme_read_bps')})"))
+    kv = report["kv"]
+    rows.append(("KV per token", f"{human_bytes(kv['bytes_per_token'])} ({kv['layers']} layers x {kv['kv_heads']} kv "
+                                 f"heads x {kv['head_dim']}, {kv['dtype']}; fp8 halves it)"))
+    reload = report["reload_200k_s"]
+    rows.append(("reload 200k tokens", f"{reload['dram']:.2f} s from DRAM, {reload['nvme']:.2f} s from NVMe"))
+    cost = ((report.get("server") or {}).get("costmodel")) or {}
+    if cost.get("prefill"):
+        even = cost["break_even_tokens"]
+        rows.append(("break-even", f"load beats recompute from {even['dram'] or 'never'} tokens (DRAM), "
+                                   f"{even['nvme'] or 'never'} tokens (NVMe)"))
+    print_table("kvtier doctor", ["", ""], rows)
+    for warning in report["warnings"]:
+        typer.echo(f"warning: {warning}", err=True)
+
 _register_top(app)
 
 

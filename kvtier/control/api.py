@@ -84,6 +84,15 @@ def _session_view(ops: "Ops", session_id: str) -> dict:
 def _decorate(ops: "Ops", info: dict) -> dict:
     info["job"] = ops.busy.get(info["session_id"])
     info["codec_dram"], info["codec_nvme"] = ops.manager.warm_codec, ops.manager.cold_codec
+    info["restore_s"] = info["recompute_s"] = info["decision"] = None
+    cost = ops.cost
+    if cost is not None and cost.prefill is not None and info["tokens"]:
+        # what the next turn would cost from where the blocks are now, against a full prefill
+        restore = float(cost.load_seconds(info["blocks_dram"], info["blocks_nvme"]))
+        recompute = cost.recompute_seconds(0, info["tokens"])
+        info["restore_s"], info["recompute_s"] = restore, recompute
+        info["decision"] = "load" if info["blocks_dram"] + info["blocks_nvme"] and restore < recompute else \
+            "recompute"
     return info
 
 
@@ -179,13 +188,21 @@ def _restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
     return 202, record.to_dict()
 
 
+def _costmodel(ops: "Ops", **_) -> tuple[int, dict]:
+    with ops.lock:
+        if ops.cost is None:
+            return 200, {"available": False}
+        return 200, {"available": True, **ops.cost.report()}
+
+
 def _openapi(ops: "Ops", **_) -> tuple[int, dict]:
     return 200, OPENAPI
 
 
 _HANDLERS = {"status": _status, "tiers": _tiers, "sessions": _sessions, "session": _session, "jobs": _jobs,
              "job": _job, "pin": _pin, "unpin": _unpin, "evict": _evict, "snapshot": _snapshot,
-             "restore": _restore, "openapi": _openapi}
+             "restore": _restore, "openapi": _openapi,
+             "costmodel": _costmodel}
 
 
 def _op(summary: str, body: dict | None = None, params: tuple = ()) -> dict:
@@ -219,6 +236,7 @@ OPENAPI = {
         "/v1/sessions/{session}/snapshot": {"post": _op("Snapshot to a file", {"path": {"type": "string"}},
                                                          ("session",))},
         "/v1/restore": {"post": _op("Restore a snapshot file", {"path": {"type": "string"}, "tier": _TIER_ENUM})},
+        "/v1/costmodel": {"get": _op("Measured link rates, the fitted prefill model, break-even lengths")},
         "/metrics": {"get": _op("Prometheus metrics")},
     },
 }
@@ -265,6 +283,11 @@ def metrics(ops: "Ops") -> bytes:
             for kind, values in sorted(latency.items()):
                 jobs.add_metric([kind], len(values), sum(values))
             yield jobs
+            decisions = CounterMetricFamily("kvtier_load_decisions", "Admitted requests with a stored hit, by "
+                                            "what the cost model chose", labels=["decision"])
+            for decision in ("load", "split", "recompute"):
+                decisions.add_metric([decision], counters.get(f"decision_{decision}", 0))
+            yield decisions
             warn = GaugeMetricFamily("kvtier_warning", "1 while a tier has a warning", labels=["tier"])
             for tier in ("dram", "nvme"):
                 warn.add_metric([tier], 1 if tier in stats["warnings"] else 0)

@@ -87,7 +87,7 @@ class Ops:
 
     def __init__(self, manager, lock: threading.RLock, enqueue: Callable, wake: Callable[[], None] = lambda: None,
                  snapshot_dir: str | os.PathLike | None = None, info: dict | None = None,
-                 hbm: Callable[[], dict] | None = None):
+                 hbm: Callable[[], dict] | None = None, cost=None):
         self.manager = manager
         self.lock = lock
         self.enqueue = enqueue
@@ -98,6 +98,7 @@ class Ops:
         self.jobs: dict[int, JobRecord] = {}
         self.busy: dict[str, int] = {}  # session -> job in flight
         self.latency: dict[str, list[float]] = {}  # job kind -> seconds (recent)
+        self.cost = cost  # a kvtier.costmodel.CostModel (the connector's), or None
         self.hbm = hbm or (lambda: {"used_bytes": None, "blocks": None, "capacity_bytes": None})
 
     def link_bytes(self) -> dict[str, int]:
@@ -257,6 +258,7 @@ _ROUTES: list[tuple[str, re.Pattern, str]] = [
         ("GET", "/v1/jobs", "jobs"),
         ("GET", r"/v1/jobs/(?P<job>[^/]+)", "job"),
         ("GET", "/v1/openapi.json", "openapi"),
+        ("GET", "/v1/costmodel", "costmodel"),
         ("GET", "/metrics", "metrics"),
         ("POST", f"/v1/sessions/{_SESSION}/pin", "pin"),
         ("POST", f"/v1/sessions/{_SESSION}/unpin", "unpin"),

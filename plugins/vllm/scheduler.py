@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.costmodel import CostModel, DEFAULT_RATES, measure_rates, parse_link_caps
 from kvtier.decide import LoadCandidate, blocks_to_load
 from kvtier.index import IN_DRAM, namespace_of, validate_session_id
 from kvtier.jobs import Job
@@ -58,6 +59,7 @@ class RequestState:
     local_tokens: int = 0  # vLLM's own prefix hit at admission
     loaded_tokens: int = 0  # tokens loaded from kvtier at admission
     counted: bool = False  # its prompt is in the hit-rate counters
+    decision: str | None = None  # load | split | recompute, for the hit it had at admission
 
 
 class KVTierScheduler:
@@ -81,6 +83,7 @@ class KVTierScheduler:
             warm_codec=str(extra.get("warm_codec", "none")),
             cold_codec=str(extra.get("cold_codec", "none")),
         )
+        self.cost = self._cost_model(extra, nvme_dir if nvme_dir and nvme_bytes else None)
         self.requests: dict[str, RequestState] = {}
         self._jobs: list[Job] = []  # planned this step, shipped by build_connector_meta
         self._missing: list[int] = []  # HBM blocks promised but not loadable: load errors
@@ -97,13 +100,56 @@ class KVTierScheduler:
         if extra.get("admin_socket"):
             self._start_admin(extra)
 
+    def _cost_model(self, extra: dict, nvme_dir: str | None) -> CostModel:
+        """Measured link rates (at start; ``link_gbps`` caps them) and a prefill model that the
+        engine's own step timings fit as it serves."""
+        from kvtier.codecs import get_codec
+
+        caps = parse_link_caps(extra.get("link_gbps"))
+        if str(extra.get("measure_links", "true")).lower() in ("0", "false", "no"):
+            rates = DEFAULT_RATES.capped(caps)
+        else:
+            try:
+                rates = measure_rates(nvme_dir, caps, quick=True)
+            except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the engine
+                log.warning("kvtier: link measurement failed (%s); using defaults", exc)
+                rates = DEFAULT_RATES.capped(caps)
+        geometry = self.manager.geometry
+        model = CostModel(rates, self.block_tokens, get_codec(self.manager.warm_codec).max_bytes(geometry),
+                          get_codec(self.manager.cold_codec).max_bytes(geometry),
+                          lossy=self.manager.warm_codec != "none" or self.manager.cold_codec != "none")
+        log.info("kvtier: host->device %.2f GB/s, NVMe reads %.2f GB/s (%s)", rates.host_to_device_bps / 1e9,
+                 rates.nvme_read_bps / 1e9, rates.source)
+        return model
+
+    def prefill_shape(self, scheduler_output: Any) -> tuple[int, int] | None:
+        """(start, tokens) when this step runs one prefill chunk and nothing else: its forward time
+        is a clean sample for the cost model."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        if len(scheduled) != 1:
+            return None
+        req_id, tokens = next(iter(scheduled.items()))
+        state = self.requests.get(req_id)
+        if state is None:
+            return None
+        request = state.request
+        start = request.num_computed_tokens  # not yet advanced: vLLM builds our metadata first
+        if start + tokens > getattr(request, "num_prompt_tokens", request.num_tokens):
+            return None  # this step also decodes
+        return start, tokens
+
+    def observe_prefill(self, timings: list) -> None:
+        for start, tokens, seconds in timings:
+            self.cost.observe_prefill(start, tokens, seconds)
+
     # ---- admin API ------------------------------------------------------------------------------
     def _start_admin(self, extra: dict) -> None:
         from kvtier.control.server import AdminServer, Ops
 
         info = {"model": self.fingerprint.model_id, "api_url": self._api_url, "kv_dtype": self.fingerprint.geometry.dtype,
                 "block_tokens": self.block_tokens}
-        self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, extra.get("snapshot_dir"), info, hbm=self.hbm_usage)
+        self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, extra.get("snapshot_dir"), info, hbm=self.hbm_usage,
+                       cost=self.cost)
         tcp = None
         if extra.get("admin_tcp"):
             host, _, port = str(extra["admin_tcp"]).rpartition(":")
@@ -186,8 +232,11 @@ class KVTierScheduler:
         hit = len(rows) - start
         if hit <= 0:
             return 0, False
-        in_dram = int((self.manager.index.col["flags"][rows[start:]] & IN_DRAM != 0).sum())
-        n = blocks_to_load(LoadCandidate(start, hit, in_dram, bs))
+        flags = (self.manager.index.col["flags"][rows[start:]] & IN_DRAM) != 0
+        candidate = LoadCandidate(start, hit, int(flags.sum()), bs, in_dram=tuple(flags.tolist()),
+                                  prompt_tokens=request.num_tokens)
+        n = blocks_to_load(candidate, self.cost)
+        state.decision = "recompute" if n == 0 else "load" if n == hit else "split"
         return n * bs, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -196,6 +245,8 @@ class KVTierScheduler:
             state.counted = True
             self.manager.counters["prompt_tokens"] += int(getattr(request, "num_prompt_tokens", request.num_tokens))
             self.manager.counters["hbm_hit_tokens"] += state.local_tokens
+            if state.decision is not None:
+                self.manager.counters[f"decision_{state.decision}"] += 1
         if num_external_tokens <= 0:
             return
         block_ids = list(blocks.get_block_ids()[0])

@@ -1,0 +1,144 @@
+"""``kvtier doctor``: what this box's links and disks mean for reloading KV versus recomputing it.
+
+Box facts (GPU and PCIe link from NVML, the NVMe directory's filesystem, free space and O_DIRECT
+support, the memlock limit for pinned memory), measured bandwidths, the model's KV bytes per
+token, and, from a running server's cost model, the break-even prompt length per tier. Warnings
+are plain sentences with the numbers that back them.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_doctor", "kv_bytes_per_token", "gpu_link"]
+
+REFERENCE_TOKENS = 200_000  # the seed's long code context
+
+
+def gpu_link() -> dict[str, Any]:
+    """GPU name and PCIe link (current and max) through NVML, or why there is none."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"present": False, "why": "nvidia-ml-py is not installed (pip install nvidia-ml-py)"}
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(handle)
+        info = {"present": True, "name": name.decode() if isinstance(name, bytes) else name}
+        for key, fn in (("gen", "nvmlDeviceGetCurrPcieLinkGeneration"), ("width", "nvmlDeviceGetCurrPcieLinkWidth"),
+                        ("max_gen", "nvmlDeviceGetMaxPcieLinkGeneration"),
+                        ("max_width", "nvmlDeviceGetMaxPcieLinkWidth")):
+            try:
+                info[key] = int(getattr(pynvml, fn)(handle))
+            except Exception:  # noqa: BLE001 - some boards hide their link
+                info[key] = None
+        return info
+    except Exception as exc:  # noqa: BLE001 - no driver or no device: a CPU box
+        return {"present": False, "why": f"no NVIDIA GPU or driver ({type(exc).__name__})"}
+
+
+def _filesystem(path: Path) -> tuple[str, str]:
+    """(mount point, filesystem type) holding ``path``, from /proc/mounts."""
+    best, fstype = "/", "?"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and str(path).startswith(parts[1].rstrip("/") + "/") or \
+                    (len(parts) >= 3 and str(path) == parts[1]):
+                if len(parts[1]) >= len(best):
+                    best, fstype = parts[1], parts[2]
+    except OSError:
+        pass
+    return best, fstype
+
+
+def disk_report(directory: Path) -> dict[str, Any]:
+    from kvtier.tiers.nvme import probe_direct_io
+
+    directory.mkdir(parents=True, exist_ok=True)
+    mount, fstype = _filesystem(directory.resolve())
+    usage = shutil.disk_usage(directory)
+    return {"dir": str(directory), "mount": mount, "filesystem": fstype, "free_bytes": usage.free,
+            "total_bytes": usage.total, "o_direct": probe_direct_io(directory)}
+
+
+def kv_bytes_per_token(model_path: str | None) -> dict[str, Any]:
+    """From a model directory's config.json (or the demo model): layers x 2 x kv heads x head dim x
+    dtype size."""
+    from kvtier.demo_model import ensure_demo_model
+
+    path = Path(model_path) if model_path else ensure_demo_model("tiny", progress=lambda _m: None)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        from kvtier.errors import UsageError
+
+        raise UsageError(f"{path} has no config.json", hint="give a Hugging Face model directory")
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    layers = int(config["num_hidden_layers"])
+    heads = int(config.get("num_attention_heads", 1))
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    size = 4 if "32" in dtype else 2
+    return {"model": str(path), "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype,
+            "bytes_per_token": 2 * layers * kv_heads * head_dim * size,
+            "bytes_per_token_fp8": 2 * layers * kv_heads * head_dim}
+
+
+def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, float], server: dict | None,
+               quick: bool = False) -> dict[str, Any]:
+    from kvtier.costmodel import GB, measure_rates
+
+    report: dict[str, Any] = {"gpu": gpu_link()}
+    directory = Path(nvme_dir) if nvme_dir else None
+    if directory is not None:
+        report["nvme"] = disk_report(directory)
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    report["memlock_bytes"] = None if soft == resource.RLIM_INFINITY else soft
+    rates = measure_rates(directory, caps, quick=quick)
+    report["rates"] = {"host_to_device_gbps": rates.host_to_device_bps / GB, "nvme_read_gbps": rates.nvme_read_bps / GB,
+                       "sources": rates.source}
+    kv = kv_bytes_per_token(model_path)
+    report["kv"] = kv
+    per_token = kv["bytes_per_token"]
+    reload = {"dram": REFERENCE_TOKENS * per_token / rates.host_to_device_bps,
+              "nvme": REFERENCE_TOKENS * per_token * (1 / rates.nvme_read_bps + 1 / rates.host_to_device_bps)}
+    report["reload_200k_s"] = reload
+    report["server"] = server
+    warnings: list[str] = []
+    gpu = report["gpu"]
+    if gpu.get("present") and gpu.get("gen") and gpu.get("max_gen") and \
+            (gpu["gen"] < gpu["max_gen"] or (gpu.get("width") or 0) < (gpu.get("max_width") or 0)):
+        warnings.append(f"PCIe runs at gen{gpu['gen']} x{gpu['width']} (the card can do gen{gpu['max_gen']} "
+                        f"x{gpu['max_width']}): check the slot and BIOS settings")
+    if gpu.get("present") and gpu.get("gen") and gpu["gen"] <= 3 and (gpu.get("width") or 16) <= 4:
+        warnings.append(f"PCIe gen{gpu['gen']} x{gpu['width']} is a slow link: reloading a 200k-token session "
+                        f"takes {reload['dram']:.1f} s from DRAM")
+    if directory is not None:
+        nvme = report["nvme"]
+        if nvme["filesystem"] in ("tmpfs", "ramfs"):
+            warnings.append(f"{directory} is on {nvme['filesystem']}: the 'NVMe' tier would use RAM and not survive "
+                            "a reboot")
+        if not nvme["o_direct"]:
+            warnings.append(f"{directory} does not support O_DIRECT: kvtier falls back to buffered IO + fsync "
+                            "(the page cache then holds a second copy)")
+    if gpu.get("present") and report["memlock_bytes"] is not None and report["memlock_bytes"] < (1 << 30):
+        warnings.append(f"memlock limit is {report['memlock_bytes'] >> 20} MiB: pinned DRAM may fail; raise it "
+                        "(ulimit -l unlimited, or LimitMEMLOCK=infinity in the service unit)")
+    cost = (server or {}).get("costmodel") or {}
+    if cost.get("available") and cost.get("prefill"):
+        even = cost["break_even_tokens"]
+        for tier in ("dram", "nvme"):
+            if even.get(tier) is None:
+                warnings.append(f"loading from {tier.upper()} never beats recomputing on this box (up to 2M "
+                                f"tokens): kvtier will recompute hits held there")
+    elif server is None:
+        warnings.append("no server: recompute speed is unknown (start `kvtier serve` and serve one prompt, then "
+                        "run kvtier doctor again for break-even lengths)")
+    report["warnings"] = warnings
+    return report

@@ -1,0 +1,195 @@
+"""The cost model and the one load decision: fits, splits, caps, measurements, and what the admin API
+reports. Oracles here are written out scalar by scalar, not with the model's vectorised code."""
+from __future__ import annotations
+
+import pytest
+
+from kvtier.costmodel import (GB, CostModel, LinkRates, PrefillModel, measure_rates, parse_link_caps)
+from kvtier.decide import LoadCandidate, blocks_to_load
+from kvtier.errors import UsageError
+
+BT = 16
+TRUE = PrefillModel(overhead_s=0.002, per_token_s=50e-6, attention_s=2e-9)
+
+
+def truth(start: int, tokens: int) -> float:
+    return 0.002 + 50e-6 * tokens + 2e-9 * (tokens * start + tokens * tokens / 2) if tokens else 0.0
+
+
+def model(h2d_gbps: float, nvme_gbps: float, prefill=TRUE, block_bytes: int = 64 << 10) -> CostModel:
+    rates = LinkRates(h2d_gbps * GB, nvme_gbps * GB, nvme_latency_s=1e-4, job_latency_s=3e-4)
+    return CostModel(rates, BT, block_bytes, block_bytes, prefill=prefill)
+
+
+def scalar_load(m: CostModel, dram: int, nvme: int) -> float:
+    if dram + nvme == 0:
+        return 0.0
+    r = m.rates
+    t = r.job_latency_s + (dram + nvme) * m.dram_block_bytes / r.host_to_device_bps
+    if nvme:
+        t += r.nvme_latency_s + nvme * m.nvme_block_bytes / r.nvme_read_bps
+    return t
+
+
+def brute_force_split(m: CostModel, computed: int, flags: list[bool], prompt: int) -> int:
+    best_k, best_t = 0, float("inf")
+    for k in range(len(flags) + 1):
+        dram = sum(flags[:k])
+        start = (computed + k) * BT
+        t = scalar_load(m, dram, k - dram) + truth(start, max(prompt - start, 0))
+        if t < best_t - 1e-12:
+            best_k, best_t = k, t
+    full = scalar_load(m, sum(flags), len(flags) - sum(flags)) + truth((computed + len(flags)) * BT,
+                                                                       max(prompt - (computed + len(flags)) * BT, 0))
+    return len(flags) if full <= best_t * (1 + 1e-9) else best_k
+
+
+def test_prefill_fit_recovers_the_terms():
+    points = [(s, n, truth(s, n)) for s in (0, 512, 4096, 12288) for n in (256, 512, 2048)]
+    fitted = PrefillModel.fit(points)
+    assert fitted.per_token_s == pytest.approx(50e-6, rel=1e-3)
+    assert fitted.attention_s == pytest.approx(2e-9, rel=1e-3)
+    assert fitted.seconds(16384, 2048) == pytest.approx(truth(16384, 2048), rel=1e-3)
+
+
+def test_prefill_fit_needs_distinct_shapes_and_ignores_noise_sign():
+    assert PrefillModel.fit([(0, 512, 0.1)] * 10) is None
+    noisy = [(s, n, truth(s, n) * (1.1 if i % 2 else 0.9)) for i, (s, n) in
+             enumerate((s, n) for s in (0, 1024, 8192) for n in (128, 1024))]
+    fitted = PrefillModel.fit(noisy)
+    assert fitted.per_token_s >= 0 and fitted.attention_s >= 0 and fitted.overhead_s >= 0
+    assert fitted.seconds(8192, 1024) == pytest.approx(truth(8192, 1024), rel=0.15)
+
+
+def test_the_model_learns_from_observed_steps():
+    m = model(20, 3, prefill=None)
+    assert m.recompute_seconds(0, 4096) is None
+    for s, n in [(0, 512), (512, 512), (1024, 512), (0, 2048), (2048, 2048), (4096, 2048), (0, 128), (8192, 256)]:
+        m.observe_prefill(s, n, truth(s, n))
+    assert m.recompute_seconds(0, 8192) == pytest.approx(truth(0, 8192), rel=0.01)
+
+
+@pytest.mark.parametrize("h2d, nvme, flags, expect", [
+    (20, 3, [True] * 64, "load"),  # fast links: everything loads
+    (0.001, 0.001, [True] * 64, "recompute"),  # a link so slow that loading never pays
+    (20, 0.002, [True] * 32 + [False] * 32, "split"),  # DRAM front loads, the slow NVMe tail recomputes
+])
+def test_best_split_matches_a_brute_force_oracle(h2d, nvme, flags, expect):
+    m = model(h2d, nvme)
+    prompt = (2 + len(flags)) * BT + 40
+    split = m.best_split(2, flags, prompt)
+    assert split.blocks == brute_force_split(m, 2, flags, prompt)
+    assert split.decision == expect
+    if expect == "split":
+        assert split.blocks == 32
+        assert split.total_s < split.all_load_s and split.total_s < split.none_load_s
+
+
+def test_blocks_to_load_without_a_model_loads_every_hit():
+    candidate = LoadCandidate(0, 10, 10, BT)
+    assert blocks_to_load(candidate) == 10
+    assert blocks_to_load(candidate, model(20, 3, prefill=None)) == 10
+    assert blocks_to_load(LoadCandidate(0, 0, 0, BT)) == 0
+    slow = model(0.001, 0.001)
+    assert blocks_to_load(LoadCandidate(0, 10, 10, BT, prompt_tokens=200), slow) == 0
+
+
+def test_break_even_is_later_from_nvme_and_absent_on_a_crawling_link():
+    m = model(12, 1.5, block_bytes=512 << 10)
+    dram, nvme = m.break_even_tokens(False), m.break_even_tokens(True)
+    assert dram is not None and nvme is not None and dram <= nvme
+    assert model(0.0005, 0.0005, block_bytes=512 << 10).break_even_tokens(True, limit=1 << 16) is None
+    assert m.restore_beats_recompute(200_000) is True
+
+
+@pytest.mark.parametrize("spec, caps", [("pcie=3.9", {"pcie": 3.9}), ("pcie=3.9, nvme=1.5", {"pcie": 3.9, "nvme": 1.5}),
+                                        ("", {}), ({"nvme": 2}, {"nvme": 2.0})])
+def test_link_caps_parse(spec, caps):
+    assert parse_link_caps(spec) == caps
+
+
+@pytest.mark.parametrize("spec", ["pcie", "gpu=3", "pcie=fast", "pcie=-1", "nvme=1e9"])
+def test_bad_link_caps_are_usage_errors(spec):
+    with pytest.raises(UsageError) as err:
+        parse_link_caps(spec)
+    assert err.value.hint
+
+
+def test_caps_lower_measured_rates_and_say_so(tmp_path):
+    rates = measure_rates(tmp_path, {"pcie": 0.5, "nvme": 0.25}, quick=True)
+    assert rates.host_to_device_bps == pytest.approx(0.5 * GB) and rates.nvme_read_bps <= 0.25 * GB
+    assert "capped" in rates.source["host_to_device_bps"]
+    measured = measure_rates(tmp_path, quick=True)
+    assert measured.host_to_device_bps > 0.05 * GB and measured.nvme_read_bps > 0
+    assert list(tmp_path.iterdir()) == []  # the scratch file is gone
+
+
+def test_admin_session_view_reports_the_prediction(fingerprint, hbm, tmp_path):
+    from conftest import make_engine
+    from kvtier.control.client import AdminClient
+    from kvtier.control.local import LocalAdmin
+    from kvtier.index import chain_block_hashes, namespace_of
+
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=16, nvme_blocks=16)
+    ns = namespace_of(fingerprint.digest)
+    engine.store("agent", ns, chain_block_hashes(list(range(64)), 16), [0, 1, 2, 3], num_tokens=64)
+    admin = LocalAdmin(engine, tmp_path / "a.sock").start()
+    try:
+        client = AdminClient(str(tmp_path / "a.sock"))
+        assert client.get("/v1/sessions/agent")["decision"] is None  # no model: nothing claimed
+        geometry = fingerprint.geometry
+        admin.ops.cost = model(20, 3, block_bytes=geometry.block_bytes)
+        doc = client.get("/v1/sessions/agent")
+        assert doc["restore_s"] == pytest.approx(scalar_load(admin.ops.cost, 4, 0))
+        assert doc["recompute_s"] == pytest.approx(truth(0, 64))
+        assert doc["decision"] == ("load" if doc["restore_s"] < doc["recompute_s"] else "recompute")
+        admin.ops.cost = model(0.00001, 0.00001, block_bytes=geometry.block_bytes)
+        assert client.get("/v1/sessions/agent")["decision"] == "recompute"
+        assert 'kvtier_load_decisions_total{decision="load"}' in client.request("GET", "/metrics", raw=True)
+    finally:
+        admin.stop()
+        engine.close(write_back=False)
+
+
+def test_doctor_without_a_server(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["doctor", "--json", "--quick", "--nvme-dir", str(tmp_path / "nvme"), "--socket",
+                              str(tmp_path / "none.sock"), "--link-gbps", "pcie=2"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output[out.output.index("{"):])
+    assert report["rates"]["host_to_device_gbps"] == pytest.approx(2.0)
+    assert report["nvme"]["o_direct"] in (True, False) and report["nvme"]["free_bytes"] > 0
+    assert report["kv"]["bytes_per_token"] == 2 * report["kv"]["layers"] * report["kv"]["kv_heads"] * \
+        report["kv"]["head_dim"] * 2
+    assert any("no server" in w for w in report["warnings"])
+    bad = runner.invoke(app, ["doctor", "--model", str(tmp_path), "--socket", str(tmp_path / "none.sock")])
+    assert bad.exit_code == 2 and "config.json" in bad.output and "hint:" in bad.output
+
+
+def test_doctor_reads_break_even_from_a_server(fingerprint, hbm, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from conftest import make_engine
+    from kvtier.cli.main import app
+    from kvtier.control.local import LocalAdmin
+
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, nvme_blocks=8)
+    admin = LocalAdmin(engine, tmp_path / "a.sock").start()
+    admin.ops.cost = model(0.0001, 0.0001, block_bytes=fingerprint.geometry.block_bytes)  # a crawling link
+    try:
+        out = CliRunner().invoke(app, ["doctor", "--json", "--quick", "--socket", str(tmp_path / "a.sock"),
+                                       "--nvme-dir", str(tmp_path / "n")])
+        report = json.loads(out.output[out.output.index("{"):])
+        assert report["server"]["costmodel"]["available"]
+        assert any("never beats recomputing" in w for w in report["warnings"])
+    finally:
+        admin.stop()
+        engine.close(write_back=False)
