@@ -76,6 +76,7 @@ class Settings:
     direct_io: str = "auto"
     warm_codec: str = "none"
     cold_codec: str = "none"
+    link_gbps: str = ""  # caps on measured link rates for the cost model, e.g. "pcie=3.9,nvme=1.5" (GB/s)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -159,6 +160,13 @@ def validate_settings(settings: Settings, sources: Mapping[str, str] | None = No
     for name in ("warm_codec", "cold_codec"):
         if not SPEC_RE.match(str(getattr(settings, name)).strip().lower()):
             fail(name, "unknown codec", f"codecs: {CODEC_HELP}")
+    from kvtier.costmodel import parse_link_caps
+    from kvtier.errors import UsageError
+
+    try:
+        parse_link_caps(settings.link_gbps)
+    except UsageError as exc:
+        fail("link_gbps", exc.message, exc.hint or "e.g. link_gbps = \"pcie=3.9\"")
 
 
 def find_config_file(env: Mapping[str, str] | None = None) -> Path | None:

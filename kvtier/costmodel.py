@@ -165,23 +165,33 @@ class Split:
 class CostModel:
     """Predicts load and recompute times for one served model on this box."""
 
+    WARMUP_STEPS = 2  # the first forwards pay one-time costs (allocation, compilation): not a sample
+    MIN_SAMPLES = 6
+
     def __init__(self, rates: LinkRates, block_tokens: int, dram_block_bytes: int, nvme_block_bytes: int,
-                 prefill: PrefillModel | None = None, lossy: bool = False):
+                 prefill: PrefillModel | None = None, lossy: bool = False, margin: float = 0.10):
         self.rates = rates
         self.block_tokens = block_tokens
         self.dram_block_bytes = dram_block_bytes
         self.nvme_block_bytes = nvme_block_bytes
         self.prefill = prefill
         self.lossy = lossy
+        self.margin = margin  # recompute (part of) a hit only when predicted at least this much faster
         self._samples: list[tuple[int, int, float]] = []
+        self._seen = 0
 
     # ---- learning from the engine --------------------------------------------------------------
     def observe_prefill(self, start: int, tokens: int, seconds: float, refit_every: int = 8) -> None:
         """One step that prefilled ``tokens`` tokens from ``start`` (and nothing else) took ``seconds``."""
         if tokens <= 0 or seconds <= 0:
             return
+        self._seen += 1
+        if self._seen <= self.WARMUP_STEPS:
+            return
         self._samples.append((int(start), int(tokens), float(seconds)))
         del self._samples[:-512]
+        if len(self._samples) < self.MIN_SAMPLES:
+            return
         if self.prefill is None or len(self._samples) % refit_every == 0:
             fitted = PrefillModel.fit(self._samples)
             if fitted is not None:
@@ -218,8 +228,8 @@ class CostModel:
         recompute = self.prefill.seconds(start, np.maximum(prompt_tokens - start, 0))
         total = load + recompute
         best = int(np.argmin(total))
-        if total[-1] <= total[best] * (1 + 1e-9):  # a tie goes to loading everything
-            best = len(flags)
+        if total[-1] <= total[best] * (1 + self.margin):  # loading all unless clearly slower: a
+            best = len(flags)  # loaded prefix also spares the GPU, and the model has errors
         return Split(best, len(flags), float(load[best]), float(recompute[best]), float(total[-1]), float(total[0]))
 
     def restore_beats_recompute(self, tokens: int, from_nvme: bool = True) -> bool | None:

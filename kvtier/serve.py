@@ -90,6 +90,7 @@ def build_kv_transfer_config(settings: Settings, model_id: str, api_url: str | N
             "direct_io": settings.direct_io,
             "warm_codec": settings.warm_codec,
             "cold_codec": settings.cold_codec,
+            "link_gbps": settings.link_gbps,
             "model_id": model_id,
             **admin,
         },

@@ -99,7 +99,7 @@ def test_dry_run_command_and_connector_config(env, model_dir, tmp_path):
     assert extra["nvme_dir"] == str(tmp_path / "cold")
     assert extra["model_id"] == "tiny-llama"
     assert set(extra) == {"dram_bytes", "nvme_dir", "nvme_bytes", "policy", "high_watermark",
-                          "low_watermark", "io_threads", "direct_io", "warm_codec", "cold_codec", "model_id",
+                          "low_watermark", "io_threads", "direct_io", "warm_codec", "cold_codec", "link_gbps", "model_id",
                           "admin_socket", "snapshot_dir", "api_url"}
     assert extra["api_url"] == cmd_url(cmd) and extra["admin_socket"].endswith("kvtier.sock")
     assert json.loads(result.stdout.split("kv-transfer-config:\n", 1)[1].rsplit("\nAPI", 1)[0]) == config

@@ -79,6 +79,8 @@ def serve(
         None, "--warm-codec", help="Codec of the DRAM tier: none, fp8, int8, int4, int4-lc (default none)."),
     cold_codec: Optional[str] = typer.Option(
         None, "--cold-codec", help="Codec of the NVMe tier, e.g. fp8+zstd or int4-lc (default none)."),
+    link_gbps: Optional[str] = typer.Option(
+        None, "--link-gbps", help="Cap measured links for the cost model, GB/s: pcie=3.9,nvme=1.5 (slow-link demo)."),
     demo_size: str = typer.Option("tiny", "--demo-size", help="Demo model size when no MODEL: tiny or mid."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check, print the vLLM command, start nothing."),
 ) -> None:
@@ -99,7 +101,8 @@ def serve(
     if demo_size not in srv.DEMO_SIZES:
         raise UsageError(f"unknown --demo-size {demo_size!r}", hint=f"choose one of: {', '.join(srv.DEMO_SIZES)}")
     settings, _sources = load_settings(flags={"dram": dram, "nvme_dir": nvme_dir, "nvme": nvme, "policy": policy,
-                                              "warm_codec": warm_codec, "cold_codec": cold_codec})
+                                              "warm_codec": warm_codec, "cold_codec": cold_codec,
+                                              "link_gbps": link_gbps})
     for warning in srv.preflight(settings, model, host=host, port=port, create_dirs=not dry_run, extra_args=extra,
                                  kv_cache_dtype=kv_cache_dtype):
         typer.echo(f"warning: {warning}", err=True)
@@ -206,6 +209,27 @@ def bench_admin(
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
         results = run_admin_bench(quick=quick, progress=bench_progress(json_out), vllm=vllm)
     emit_bench("kvtier bench admin", ADMIN_KEYS, results, json_out)
+
+
+@bench_app.command("costmodel")
+@handle_errors
+def bench_costmodel(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quick: bool = typer.Option(False, "--quick", help="1k/2k/4k tokens instead of 2k/8k/16k."),
+    size: str = typer.Option("tiny", "--size", help="Demo model: tiny or mid (mid: a 16k recompute takes minutes)."),
+) -> None:
+    """Cost-model predictions vs measured TTFT (restore, recompute), and a capped link on real vLLM."""
+    import contextlib
+    import sys
+
+    from kvtier.errors import UsageError
+    from kvtier.plugins.vllm.bench_costmodel import COSTMODEL_KEYS, run_costmodel_bench
+
+    if size not in ("tiny", "mid"):
+        raise UsageError(f"unknown --size {size!r}", hint="tiny or mid")
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
+        results = run_costmodel_bench(quick=quick, size=size, progress=bench_progress(json_out))
+    emit_bench("kvtier bench costmodel", COSTMODEL_KEYS, results, json_out)
 
 
 @bench_app.command("top")

@@ -32,17 +32,15 @@ class KVTierMetadata(KVConnectorMetadata):
     jobs: list[Job] = field(default_factory=list)
     missing_blocks: list[int] = field(default_factory=list)  # promised but unloadable: load errors
     freed_slots: list[int] = field(default_factory=list)  # DRAM slots the manager released
-    prefill: tuple[int, int] | None = None  # (start, tokens) when the step is one prefill chunk alone
 
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     results: list[JobResult] = field(default_factory=list)
-    timings: list[tuple[int, int, float]] = field(default_factory=list)  # (start, tokens, forward seconds)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVTierWorkerMetadata":
         assert isinstance(other, KVTierWorkerMetadata)
-        return KVTierWorkerMetadata(self.results + other.results, self.timings + other.timings)
+        return KVTierWorkerMetadata(self.results + other.results)
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -80,16 +78,16 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         with self._scheduler.lock:
+            self._scheduler.step_started(scheduler_output)
             jobs, missing = self._scheduler.build_jobs(scheduler_output)
-            return KVTierMetadata(jobs=jobs, missing_blocks=missing, freed_slots=self.manager.slots.drain_freed(),
-                                  prefill=self._scheduler.prefill_shape(scheduler_output))
+            return KVTierMetadata(jobs=jobs, missing_blocks=missing, freed_slots=self.manager.slots.drain_freed())
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, KVTierWorkerMetadata):
-            with self._scheduler.lock:
+        with self._scheduler.lock:
+            self._scheduler.step_finished()  # vLLM calls this once per executed step
+            if isinstance(meta, KVTierWorkerMetadata):
                 self._scheduler.complete(meta.results)
-                self._scheduler.observe_prefill(meta.timings)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         with self._scheduler.lock:
@@ -104,7 +102,6 @@ class KVTierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVTierMetadata)
         self._worker.apply(meta)
         self._worker.start_load_kv(meta.jobs, meta.missing_blocks)
-        self._worker.forward_started(meta.prefill)  # the cost model learns prefill speed from here
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
@@ -116,12 +113,11 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         self._worker.apply(meta)
-        self._worker.forward_finished()
         self._worker.wait_for_save(meta.jobs)
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
-        results, timings = self._worker.take_results(), self._worker.take_timings()
-        return KVTierWorkerMetadata(results, timings) if results or timings else None
+        results = self._worker.take_results()
+        return KVTierWorkerMetadata(results) if results else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

@@ -20,6 +20,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,7 @@ class KVTierScheduler:
         )
         self.cost = self._cost_model(extra, nvme_dir if nvme_dir and nvme_bytes else None)
         self.requests: dict[str, RequestState] = {}
+        self._steps: deque = deque()  # (start time, prefill shape or None) of steps in flight
         self._jobs: list[Job] = []  # planned this step, shipped by build_connector_meta
         self._missing: list[int] = []  # HBM blocks promised but not loadable: load errors
         log.info("kvtier: %s, DRAM %d slots, NVMe %s (%d blocks found)", fingerprint.model_id,
@@ -138,9 +140,23 @@ class KVTierScheduler:
             return None  # this step also decodes
         return start, tokens
 
-    def observe_prefill(self, timings: list) -> None:
-        for start, tokens, seconds in timings:
-            self.cost.observe_prefill(start, tokens, seconds)
+    def step_started(self, scheduler_output: Any) -> None:
+        """A step is about to run (vLLM builds our metadata right before executing it)."""
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+            return
+        self._steps.append((time.perf_counter(), self.prefill_shape(scheduler_output)))
+        if len(self._steps) > 4:  # steps we were never told the end of: start over
+            self._steps.clear()
+
+    def step_finished(self) -> None:
+        """The oldest step's output is in: a prefill-only step's wall time (forward, sampling, and
+        kvtier's own synchronous stores, which a recompute pays too) teaches the prefill model.
+        With two steps in flight (async scheduling) the interval overlaps another step: skipped."""
+        if not self._steps:
+            return
+        started, shape = self._steps.popleft()
+        if shape is not None and not self._steps:
+            self.cost.observe_prefill(shape[0], shape[1], time.perf_counter() - started)
 
     # ---- admin API ------------------------------------------------------------------------------
     def _start_admin(self, extra: dict) -> None:

@@ -43,6 +43,9 @@ class KVTierWorker:
         self._results: list[JobResult] = []
         self._load_errors: set[int] = set()
         self._applied = None
+        from kvtier.costmodel import parse_link_caps
+
+        self._caps = parse_link_caps(extra.get("link_gbps"))  # an emulated slow link (demos, benchmarks)
         self._cuda = False
         self._forward: tuple | None = None  # (prefill shape, start mark) of the step in progress
         self._timings: list[tuple[int, int, float]] = []
@@ -88,12 +91,28 @@ class KVTierWorker:
                 self.mover.submit(job)
 
     def _run_now(self, job: Job) -> None:
+        started = time.perf_counter()
         result = self.mover.run(job)
+        if job.kind == JobKind.LOAD and self._caps:
+            self._pace(job, result, time.perf_counter() - started)
         if job.kind == JobKind.LOAD and not result.ok:
             failed = result.failed or range(len(job.moves))
             self._load_errors.update(job.moves[i].device_block for i in failed)
             log.warning("kvtier: %d blocks failed to load (%s); vLLM recomputes them", len(failed), result.error)
         self._results.append(result)
+
+    def _pace(self, job: Job, result: JobResult, took: float) -> None:
+        """With ``link_gbps`` set, a load takes at least as long as it would on the capped link, so
+        the slow-link case is real on a fast machine, not only in the cost model's numbers."""
+        nvme = sum(1 for move in job.moves if move.from_nvme)
+        share = nvme / len(job.moves) if job.moves else 0.0
+        floor = 0.0
+        if "pcie" in self._caps:
+            floor += result.bytes_moved / (self._caps["pcie"] * 1e9)
+        if "nvme" in self._caps:
+            floor += result.bytes_moved * share / (self._caps["nvme"] * 1e9)
+        if floor > took:
+            time.sleep(floor - took)
 
     def take_results(self) -> list[JobResult]:
         results, self._results = self._results, []
