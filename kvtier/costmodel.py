@@ -192,7 +192,8 @@ class CostModel:
         del self._samples[:-512]
         if len(self._samples) < self.MIN_SAMPLES:
             return
-        if self.prefill is None or len(self._samples) % refit_every == 0:
+        # a fit is a few 3-column least squares: refit on every sample while there are few
+        if self.prefill is None or len(self._samples) < 64 or len(self._samples) % refit_every == 0:
             fitted = PrefillModel.fit(self._samples)
             if fitted is not None:
                 self.prefill = fitted
