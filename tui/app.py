@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -659,11 +659,3 @@ class TopApp(App):
         if jobs:
             lines += ["", "recent jobs:"] + [f"  #{j.id} {j.kind} {j.state} {human_bytes(j.bytes)}" for j in jobs]
         self.push_screen(Page(f"session {session}", "\n".join(lines)))
-
-
-def replay_source(snapshots: Iterator[Snapshot]) -> Callable[[], Snapshot | None]:
-    """One recorded snapshot per poll; after the last, nothing new (the screen keeps the last one)."""
-    def next_one() -> Snapshot | None:
-        return next(snapshots, None)
-
-    return next_one
