@@ -19,11 +19,12 @@ from kvtier.cli.main import app as cli_app
 from kvtier.control.client import AdminClient
 from kvtier.errors import NotFoundError
 from kvtier.index import Tier
-from kvtier.tui.app import TopApp
+from kvtier.tui.app import COLUMNS, TopApp
 from kvtier.tui.collector import Collector, Nvml, replay
 from kvtier.tui.model import Snapshot
 
 REPLAY = Path(__file__).parent / "data" / "top.jsonl"
+COLUMN_NEXT = [key for key, _ in COLUMNS].index("next")
 runner = CliRunner()
 
 
@@ -317,3 +318,24 @@ def test_top_never_imports_torch_or_vllm(live):
             "print('LOADED', sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "LOADED []" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
+
+
+@aio
+async def test_the_next_turn_column_shows_the_cost_models_call(live):
+    from kvtier.costmodel import GB, CostModel, LinkRates, PrefillModel
+
+    geometry = live.engine.fingerprint.geometry
+    live.ops.cost = CostModel(LinkRates(20 * GB, 3 * GB), geometry.block_tokens, geometry.block_bytes,
+                              geometry.block_bytes, prefill=PrefillModel(0.01, 1e-3, 1e-9))
+    app = make_app(live)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        row = app._row(app.selected_session())
+        assert row.decision == "load" and row.restore_s < row.recompute_s
+        assert str(app._cells(row)[COLUMN_NEXT]).startswith("load ")
+        live.ops.cost = CostModel(LinkRates(1e3, 1e3), geometry.block_tokens, geometry.block_bytes,
+                                  geometry.block_bytes, prefill=PrefillModel(0.01, 1e-3, 1e-9))
+        await settle(pilot, app)
+        row = app._row(app.selected_session())
+        assert row.decision == "recompute" and str(app._cells(row)[COLUMN_NEXT]).startswith("recompute ")
+

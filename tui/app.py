@@ -25,7 +25,7 @@ SPARKS = "▁▂▃▄▅▆▇█"
 SORTS = ("last use", "tokens", "bytes", "session", "state")
 STATE_STYLE = {"hot": "bold red", "warm": "yellow", "cold": "cyan", "pinned": "bold magenta", "gone": "dim"}
 COLUMNS = (("session", "session"), ("state", "state"), ("tokens", "tokens"), ("dram", "DRAM"),
-           ("nvme", "NVMe"), ("codec", "codec"), ("idle", "idle"), ("job", "job"))
+           ("nvme", "NVMe"), ("codec", "codec"), ("idle", "idle"), ("next", "next turn"), ("job", "job"))
 HELP = """\
  p      pin the selected session (to DRAM or NVMe), or unpin it
  e      evict: to DRAM, to NVMe, or drop (asks to confirm)
@@ -458,7 +458,17 @@ class TopApp(App):
         return (row.session_id, Text(state, style=STATE_STYLE.get(row.state, "")), f"{row.tokens:,}",
                 human_bytes(row.bytes_dram) if row.bytes_dram else "-",
                 human_bytes(row.bytes_nvme) if row.bytes_nvme else "-", codec, idle_text(self._idle(row)),
-                f"#{row.job}" if row.job else "")
+                self._next_turn(row), f"#{row.job}" if row.job else "")
+
+    @staticmethod
+    def _next_turn(row: SessionRow) -> str:
+        """The cost model's call for the session's next turn: load (with its predicted time) or
+        recompute; "-" until the engine has timed enough prefill to have a model."""
+        if row.decision is None or row.restore_s is None:
+            return "-"
+        if row.decision == "load":
+            return f"load {row.restore_s:.2f}s"
+        return f"recompute {row.recompute_s:.1f}s"
 
     def _sessions(self, snap: Snapshot) -> None:
         rows = self._rows(snap)
@@ -654,6 +664,9 @@ class TopApp(App):
                  f"{'NVMe':<12}{row.blocks_nvme:,} blocks, {human_bytes(row.bytes_nvme)} ({row.codec_nvme})",
                  f"{'last use':<12}{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(row.last_use))}"
                  f" ({idle_text(self._idle(row))} ago)",
+                 f"{'next turn':<12}" + (f"restore {row.restore_s:.3f} s vs recompute {row.recompute_s:.3f} s: "
+                                         f"{row.decision}" if row.restore_s is not None else
+                                         "no cost model yet (the engine has not timed enough prefill)"),
                  f"{'job':<12}{'#' + str(row.job) if row.job else 'none in flight'}"]
         jobs = [j for j in (self.snapshot.jobs if self.snapshot else ()) if j.session_id == session][:5]
         if jobs:

@@ -183,7 +183,8 @@ def _session(row: dict) -> SessionRow:
     return SessionRow(row["session_id"], row["state"], row["tokens"], row["blocks"], row["blocks_dram"],
                       row["blocks_nvme"], row["bytes_dram"], row["bytes_nvme"], row.get("pinned"),
                       float(row.get("last_use", 0.0)), row.get("job"),
-                      row.get("codec_dram", "none"), row.get("codec_nvme", "none"))
+                      row.get("codec_dram", "none"), row.get("codec_nvme", "none"), row.get("decision"),
+                      row.get("restore_s"), row.get("recompute_s"))
 
 
 def _job(doc: dict) -> JobRow:

@@ -53,6 +53,9 @@ class SessionRow:
     job: int | None
     codec_dram: str
     codec_nvme: str
+    decision: str | None = None  # the cost model's choice for its next turn: load | recompute
+    restore_s: float | None = None
+    recompute_s: float | None = None
 
 
 @dataclass(frozen=True)
