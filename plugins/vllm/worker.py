@@ -12,8 +12,8 @@ Results go back to the scheduler half in the worker metadata of the step that fi
 from __future__ import annotations
 
 import logging
-import time
 import re
+import time
 from typing import Any
 
 from kvtier.jobs import Job, JobKind, JobResult
@@ -46,10 +46,6 @@ class KVTierWorker:
         from kvtier.costmodel import parse_link_caps
 
         self._caps = parse_link_caps(extra.get("link_gbps"))  # an emulated slow link (demos, benchmarks)
-        self._cuda = False
-        self._forward: tuple | None = None  # (prefill shape, start mark) of the step in progress
-        self._timings: list[tuple[int, int, float]] = []
-        self._pending_events: list[tuple] = []  # CUDA: (shape, start event, end event) not yet done
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = sorted(kv_caches, key=_layer_index)
@@ -65,7 +61,6 @@ class KVTierWorker:
             self.nvme.scan()
         adapter = adapter_for(layout_name(layers[0]), geometry)
         self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers)
-        self._cuda = bool(getattr(layers[0], "is_cuda", False))
         log.info("kvtier worker: %d KV layers (%s layout), DRAM arena %d MiB%s", len(layers), adapter.name,
                  arena.buffer.numel() >> 20, " (pinned)" if arena.pinned else "")
 
@@ -119,43 +114,6 @@ class KVTierWorker:
         if self.mover is not None:
             results.extend(self.mover.poll())
         return results
-
-    # ---- prefill timing, for the cost model -----------------------------------------------------
-    def _mark(self):
-        if self._cuda:
-            import torch
-
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def forward_started(self, shape: tuple[int, int] | None) -> None:
-        """After this step's loads, before the forward pass (only steps that are one prefill chunk)."""
-        self._forward = (shape, self._mark()) if shape is not None else None
-
-    def forward_finished(self) -> None:
-        """Before this step's stores: the forward pass is done (CPU) or enqueued (CUDA: events)."""
-        if self._forward is None:
-            return
-        (start, tokens), begin = self._forward
-        self._forward = None
-        end = self._mark()
-        if self._cuda:
-            self._pending_events.append(((start, tokens), begin, end))
-        else:
-            self._timings.append((start, tokens, end - begin))
-
-    def take_timings(self) -> list[tuple[int, int, float]]:
-        still = []
-        for (start, tokens), begin, end in self._pending_events:
-            if end.query():
-                self._timings.append((start, tokens, begin.elapsed_time(end) / 1e3))
-            else:
-                still.append(((start, tokens), begin, end))
-        self._pending_events = still[-64:]
-        timings, self._timings = self._timings, []
-        return timings
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
