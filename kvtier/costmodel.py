@@ -233,6 +233,14 @@ class CostModel:
             best = len(flags)  # loaded prefix also spares the GPU, and the model has errors
         return Split(best, len(flags), float(load[best]), float(recompute[best]), float(total[-1]), float(total[0]))
 
+    def split_for(self, computed_blocks: int, dram_blocks: int, hit_blocks: int, prompt_tokens: int,
+                  in_dram: Sequence[bool] = ()) -> Split | None:
+        """``best_split`` from counts: without per-block tiers the DRAM blocks are taken to come first
+        (write-through keeps a prefix's front in DRAM longest); the prompt ends no earlier than the hit."""
+        flags = tuple(in_dram) or (True,) * dram_blocks + (False,) * (hit_blocks - dram_blocks)
+        end = (computed_blocks + hit_blocks) * self.block_tokens
+        return self.best_split(computed_blocks, flags, max(prompt_tokens, end))
+
     def restore_beats_recompute(self, tokens: int, from_nvme: bool = True) -> bool | None:
         """Will a session of ``tokens`` tokens load faster than it recomputes? (None: no model yet.)"""
         if self.prefill is None:

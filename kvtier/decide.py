@@ -34,8 +34,5 @@ def blocks_to_load(candidate: LoadCandidate, model: "CostModel | None" = None, m
         return 0
     if model is None or model.prefill is None:
         return candidate.hit_blocks
-    flags = candidate.in_dram or tuple([True] * candidate.dram_blocks +
-                                       [False] * (candidate.hit_blocks - candidate.dram_blocks))
-    end = (candidate.computed_blocks + candidate.hit_blocks) * candidate.block_tokens
-    split = model.best_split(candidate.computed_blocks, flags, max(candidate.prompt_tokens, end))
-    return split.blocks
+    return model.split_for(candidate.computed_blocks, candidate.dram_blocks, candidate.hit_blocks,
+                           candidate.prompt_tokens, candidate.in_dram).blocks

@@ -462,13 +462,13 @@ class TopApp(App):
 
     @staticmethod
     def _next_turn(row: SessionRow) -> str:
-        """The cost model's call for the session's next turn: load (with its predicted time) or
-        recompute; "-" until the engine has timed enough prefill to have a model."""
+        """The cost model's call for the session's next turn: load or split (with the predicted time
+        of loading it all) or recompute; "-" until the engine has timed enough prefill."""
         if row.decision is None or row.restore_s is None:
             return "-"
-        if row.decision == "load":
-            return f"load {row.restore_s:.2f}s"
-        return f"recompute {row.recompute_s:.1f}s"
+        if row.decision == "recompute":
+            return f"recompute {row.recompute_s:.1f}s"
+        return f"{row.decision} {row.restore_s:.2f}s"  # load, or split (its front loads)
 
     def _sessions(self, snap: Snapshot) -> None:
         rows = self._rows(snap)

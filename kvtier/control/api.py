@@ -87,12 +87,9 @@ def _decorate(ops: "Ops", info: dict) -> dict:
     info["restore_s"] = info["recompute_s"] = info["decision"] = None
     cost = ops.cost
     if cost is not None and cost.prefill is not None and info["tokens"]:
-        # what the next turn would cost from where the blocks are now, against a full prefill
-        restore = float(cost.load_seconds(info["blocks_dram"], info["blocks_nvme"]))
-        recompute = cost.recompute_seconds(0, info["tokens"])
-        info["restore_s"], info["recompute_s"] = restore, recompute
-        info["decision"] = "load" if info["blocks_dram"] + info["blocks_nvme"] and restore < recompute else \
-            "recompute"
+        # the connector's own rule (decide.blocks_to_load) applied to the session as it is held now
+        split = cost.split_for(0, info["blocks_dram"], info["blocks_dram"] + info["blocks_nvme"], info["tokens"])
+        info["restore_s"], info["recompute_s"], info["decision"] = split.all_load_s, split.none_load_s, split.decision
     return info
 
 
