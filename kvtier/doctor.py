@@ -13,32 +13,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_doctor", "kv_bytes_per_token", "gpu_link"]
+from kvtier.control.gpu import gpu_link
+
+__all__ = ["run_doctor", "kv_bytes_per_token"]
 
 REFERENCE_TOKENS = 200_000  # the seed's long code context
-
-
-def gpu_link() -> dict[str, Any]:
-    """GPU name and PCIe link (current and max) through NVML, or why there is none."""
-    try:
-        import pynvml
-    except ImportError:
-        return {"present": False, "why": "nvidia-ml-py is not installed (pip install nvidia-ml-py)"}
-    try:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        name = pynvml.nvmlDeviceGetName(handle)
-        info = {"present": True, "name": name.decode() if isinstance(name, bytes) else name}
-        for key, fn in (("gen", "nvmlDeviceGetCurrPcieLinkGeneration"), ("width", "nvmlDeviceGetCurrPcieLinkWidth"),
-                        ("max_gen", "nvmlDeviceGetMaxPcieLinkGeneration"),
-                        ("max_width", "nvmlDeviceGetMaxPcieLinkWidth")):
-            try:
-                info[key] = int(getattr(pynvml, fn)(handle))
-            except Exception:  # noqa: BLE001 - some boards hide their link
-                info[key] = None
-        return info
-    except Exception as exc:  # noqa: BLE001 - no driver or no device: a CPU box
-        return {"present": False, "why": f"no NVIDIA GPU or driver ({type(exc).__name__})"}
 
 
 def _filesystem(path: Path) -> tuple[str, str]:

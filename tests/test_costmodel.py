@@ -174,6 +174,7 @@ def test_doctor_without_a_server(tmp_path):
     assert report["kv"]["bytes_per_token"] == 2 * report["kv"]["layers"] * report["kv"]["kv_heads"] * \
         report["kv"]["head_dim"] * 2
     assert any("no server" in w for w in report["warnings"])
+    assert report["gpu"]["present"] or report["gpu"]["why"]  # no GPU: it says why (kvtier.control.gpu)
     bad = runner.invoke(app, ["doctor", "--model", str(tmp_path), "--socket", str(tmp_path / "none.sock")])
     assert bad.exit_code == 2 and "config.json" in bad.output and "hint:" in bad.output
 

@@ -11,6 +11,7 @@ from collections import deque
 from typing import Any, Callable, Iterator
 
 from kvtier.control.client import AdminClient
+from kvtier.control.gpu import gpu_link, open_gpu
 from kvtier.errors import KvtierError, NoServerError
 
 from kvtier.tui.model import JobRow, Link, SessionRow, Snapshot, Tier
@@ -27,27 +28,14 @@ class Nvml:
     """GPU telemetry through nvidia-ml-py, when a GPU and its driver are there."""
 
     def __init__(self) -> None:
-        self.handle = None
-        self.reason = None
+        self.nvml, self.handle, why = open_gpu()
+        self.reason = f"{why}: HBM and PCIe show N/A" if why else None
         self.name = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nvml = pynvml
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            name = pynvml.nvmlDeviceGetName(self.handle)
-            name = name.decode() if isinstance(name, bytes) else name
-            try:
-                gen = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(self.handle)
-                width = pynvml.nvmlDeviceGetCurrPcieLinkWidth(self.handle)
-                self.name = f"{name} (PCIe gen{gen} x{width})"
-            except Exception:  # noqa: BLE001 - some boards do not report the link
-                self.name = name
-        except ImportError:
-            self.reason = "nvidia-ml-py is not installed: HBM and PCIe show N/A"
-        except Exception as exc:  # noqa: BLE001 - no driver, no GPU: the usual CPU box
-            self.reason = f"no NVIDIA GPU or driver ({type(exc).__name__}): HBM and PCIe show N/A"
+        if self.handle is not None:
+            link = gpu_link(self.nvml, self.handle)
+            self.name = link.get("name")
+            if link.get("gen"):
+                self.name = f"{self.name} (PCIe gen{link['gen']} x{link['width']})"
 
     def sample(self) -> dict[str, float] | None:
         """PCIe bytes/s each way (NVML's own 20 ms window) and HBM bytes in use."""
