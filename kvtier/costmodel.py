@@ -24,7 +24,14 @@ picks the split that minimizes load + recompute, as in Cake (Jin et al., 2024). 
 has seen enough prefill steps to fit, every hit is loaded (what a cache does without a model).
 
 Bandwidths are measured at start (``measure_rates``) and can be capped with ``link_gbps`` (e.g.
-``{"pcie": 3.9}``) to reproduce a slow link on any machine.
+``{"pcie": 3.9}``) to reproduce a slow link on any machine. While serving they are refreshed two
+ways: the mover's own DRAM loads refit the per-job latency and the per-byte cost of a load
+(``observe_load``), and the scheduler re-measures the links in the background every few minutes
+(``refresh_rates``), caps still applied.
+
+The same model decides what is worth keeping: a session is demoted to NVMe only when restoring it
+from there will beat recomputing it (``break_even_tokens(from_nvme=True)``), and a prefix shorter
+than the DRAM break-even is not stored at all (``kvtier.decide``).
 """
 from __future__ import annotations
 
@@ -179,6 +186,9 @@ class CostModel:
         self.margin = margin  # recompute (part of) a hit only when predicted at least this much faster
         self._samples: list[tuple[int, int, float]] = []
         self._seen = 0
+        self._loads: list[tuple[float, float]] = []  # (bytes, seconds) of DRAM-only load jobs
+        self.load_fit: tuple[float, float] | None = None  # (job latency s, s per byte), from ``_loads``
+        self._break_even: dict[bool, tuple[object, int | None]] = {}
 
     # ---- learning from the engine --------------------------------------------------------------
     def observe_prefill(self, start: int, tokens: int, seconds: float, refit_every: int = 8) -> None:
@@ -198,16 +208,43 @@ class CostModel:
             if fitted is not None:
                 self.prefill = fitted
 
+    def observe_load(self, nbytes: int, seconds: float) -> None:
+        """A load job that moved ``nbytes`` from DRAM into HBM (no NVMe reads) took ``seconds`` in the
+        mover: the live cost of a DRAM load (copy, decode, pacing to a capped link, job overhead)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        self._loads.append((float(nbytes), float(seconds)))
+        del self._loads[:-256]
+        if len(self._loads) < self.MIN_SAMPLES:
+            return
+        data = np.asarray(self._loads)
+        if data[:, 0].max() < 2 * data[:, 0].min():  # one size only: latency and rate can't be told apart
+            return
+        weight = 1.0 / np.maximum(data[:, 1], 1e-5)
+        design = np.stack([np.ones(len(data)), data[:, 0]], axis=1)
+        latency, per_byte = _nonnegative_lstsq(design * weight[:, None], data[:, 1] * weight)
+        if per_byte > 0:
+            self.load_fit = (float(latency), float(per_byte))
+            self._break_even.clear()
+
+    def refresh_rates(self, rates: LinkRates) -> None:
+        """New link measurements (already capped)."""
+        self.rates = rates
+        self._break_even.clear()
+
     # ---- predictions ---------------------------------------------------------------------------
     def load_seconds(self, dram_blocks: int | np.ndarray, nvme_blocks: int | np.ndarray) -> float | np.ndarray:
         rates = self.rates
         dram = np.asarray(dram_blocks, dtype=np.float64) * self.dram_block_bytes
         nvme = np.asarray(nvme_blocks, dtype=np.float64) * self.nvme_block_bytes
-        t = (dram + nvme) / rates.host_to_device_bps + nvme / rates.nvme_read_bps
+        if self.load_fit is not None:  # measured on this engine's own DRAM loads
+            latency, per_byte = self.load_fit
+        else:
+            latency = rates.job_latency_s
+            per_byte = 1 / rates.host_to_device_bps + (1 / rates.decode_bps if self.lossy and rates.decode_bps else 0)
+        t = (dram + nvme) * per_byte + nvme / rates.nvme_read_bps
         t = t + np.where(np.asarray(nvme_blocks) > 0, rates.nvme_latency_s, 0.0)
-        if self.lossy and rates.decode_bps:
-            t = t + (dram + nvme) / rates.decode_bps
-        t = np.where(np.asarray(dram_blocks) + np.asarray(nvme_blocks) > 0, t + rates.job_latency_s, 0.0)
+        t = np.where(np.asarray(dram_blocks) + np.asarray(nvme_blocks) > 0, t + latency, 0.0)
         return float(t) if t.ndim == 0 else t
 
     def recompute_seconds(self, start_tokens: int, tokens: int) -> float | None:
@@ -250,19 +287,28 @@ class CostModel:
         return load < self.prefill.seconds(0, blocks * self.block_tokens)
 
     def break_even_tokens(self, from_nvme: bool, limit: int = 1 << 21) -> int | None:
-        """Smallest prompt for which loading it beats recomputing it (None: never, up to ``limit``)."""
+        """Smallest prompt for which loading it beats recomputing it (None: never, up to ``limit``;
+        also None without a prefill model). Cached until the model or the rates change."""
         if self.prefill is None:
             return None
+        cached = self._break_even.get(from_nvme)
+        if cached is not None and cached[0] is self.prefill:
+            return cached[1]
         tokens = np.arange(1, limit // self.block_tokens + 1) * self.block_tokens
         blocks = tokens // self.block_tokens
         load = self.load_seconds(0, blocks) if from_nvme else self.load_seconds(blocks, 0)
         wins = np.nonzero(load < self.prefill.seconds(0, tokens))[0]
-        return int(tokens[wins[0]]) if len(wins) else None
+        found = int(tokens[wins[0]]) if len(wins) else None
+        self._break_even[from_nvme] = (self.prefill, found)
+        return found
 
     def report(self) -> dict:
         r = self.rates
         return {"host_to_device_gbps": r.host_to_device_bps / GB, "nvme_read_gbps": r.nvme_read_bps / GB,
                 "sources": dict(r.source),
+                "dram_load": None if self.load_fit is None else {
+                    "job_latency_ms": self.load_fit[0] * 1e3, "gbps": 1 / self.load_fit[1] / GB,
+                    "samples": len(self._loads)},
                 "prefill": None if self.prefill is None else {
                     "overhead_ms": self.prefill.overhead_s * 1e3, "per_token_us": self.prefill.per_token_s * 1e6,
                     "attention_ns_per_token_pair": self.prefill.attention_s * 1e9, "points": self.prefill.points},

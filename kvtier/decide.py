@@ -4,6 +4,10 @@ Every load decision in kvtier goes through ``blocks_to_load``: the vLLM connecto
 of a request's stored blocks to load. With a fitted cost model (``kvtier.costmodel``) it loads the
 prefix of the hit that minimizes predicted load + recompute time: all of it, its front, or none.
 Without one (no prefill measured yet) it loads every hit at least ``min_blocks`` long.
+
+The same model decides what is worth keeping (``worth_keeping``): a prefix is stored in DRAM only
+when loading it from there will beat recomputing it, and demoted to NVMe (rather than dropped)
+only when restoring it from NVMe will. Both answer "keep" until the model has a prefill fit.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.costmodel import CostModel
 
-__all__ = ["LoadCandidate", "blocks_to_load"]
+__all__ = ["LoadCandidate", "blocks_to_load", "worth_keeping"]
 
 
 @dataclass(frozen=True)
@@ -36,3 +40,13 @@ def blocks_to_load(candidate: LoadCandidate, model: "CostModel | None" = None, m
         return candidate.hit_blocks
     return model.split_for(candidate.computed_blocks, candidate.dram_blocks, candidate.hit_blocks,
                            candidate.prompt_tokens, candidate.in_dram).blocks
+
+
+def worth_keeping(prefix_tokens: int, model: "CostModel | None", on_nvme: bool) -> bool:
+    """Will a stored prefix of ``prefix_tokens`` tokens load faster (from NVMe when ``on_nvme``,
+    else from DRAM) than it recomputes? Keep it when so, or when it is not known yet (no model,
+    or a block whose prefix length was never recorded: ``prefix_tokens`` 0)."""
+    if model is None or model.prefill is None or prefix_tokens <= 0:
+        return True
+    break_even = model.break_even_tokens(from_nvme=on_nvme)
+    return break_even is not None and prefix_tokens >= break_even

@@ -117,6 +117,7 @@ class BlockIndex:
         "pin": np.uint8,  # 0: not pinned; else the coldest Tier the block may sink to
         "ns": np.uint16,
         "last_use": np.uint64,
+        "reach": np.uint32,  # tokens of the longest stored prefix through this block (0: unknown)
     }
 
     def __init__(self, capacity: int = 1024):
@@ -171,7 +172,7 @@ class BlockIndex:
             self._keys.append(key)
         ns_id = self._ns_id(namespace)
         self._maps[namespace][key] = row
-        for name in ("dram_nbytes", "nvme_nbytes", "dram_codec", "nvme_codec", "refs", "pin"):
+        for name in ("dram_nbytes", "nvme_nbytes", "dram_codec", "nvme_codec", "refs", "pin", "reach"):
             self.col[name][row] = 0
         self.col["dram_slot"][row] = NO_SLOT
         self.col["flags"][row] = flags

@@ -9,7 +9,9 @@ are never chosen as victims.
 
 Pressure: when DRAM slot use passes the high watermark, the policy's victims are demoted to NVMe
 (or their DRAM copy is simply released when NVMe already holds them) down to the low watermark;
-NVMe likewise drops its victims. A store that finds DRAM full of pinned or busy blocks stores what
+NVMe likewise drops its victims. With a cost model (``self.cost``), a victim whose longest stored
+prefix would restore from NVMe slower than it recomputes is dropped instead of demoted
+(``kvtier.decide.worth_keeping``): writing it would cost disk bandwidth and never pay off. A store that finds DRAM full of pinned or busy blocks stores what
 fits and skips the rest: normal pressure, not an error; vLLM recomputes what was not kept.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 
 from kvtier.errors import NotFoundError, UsageError
 from kvtier.codecs import get_codec, resolve_codec
+from kvtier.decide import worth_keeping
 from kvtier.index import FIRST, IN_DRAM, IN_NVME, PENDING, BlockIndex, Session, Tier, validate_session_id
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint
@@ -68,6 +71,7 @@ class TierManager(SessionOps):
         self._nvme_used = 0  # bytes on NVMe plus bytes reserved by unfinished demotions
         self.counters: Counter[str] = Counter()
         self.warnings: dict[str, str] = {}
+        self.cost = None  # a kvtier.costmodel.CostModel when the connector has one (demotion asks it)
         for record in nvme_records:
             self._adopt_nvme_block(record.namespace, record.key, record.nbytes)
 
@@ -127,6 +131,10 @@ class TierManager(SessionOps):
             session.keys = list(keys)
         session.num_tokens = max(num_tokens, len(session.keys) * self.geometry.block_tokens)
         session.last_use = time.time()
+        rows = self.session_row_array(session)
+        if len(rows):  # every stored block of the session is on a prefix at least this long
+            reach = self.index.col["reach"]
+            reach[rows] = np.maximum(reach[rows], min(session.num_tokens, 0xFFFFFFFF))
         return session
 
     def session(self, session_id: str) -> Session:
@@ -206,6 +214,7 @@ class TierManager(SessionOps):
             first = position == 0
             row = self.index.add(namespace, key, PENDING | IN_DRAM | (FIRST if first else 0))
             self.index.col["dram_slot"][row] = slot
+            self.index.col["reach"][row] = (start + len(keys)) * self.geometry.block_tokens
             moves.append(self._move(row, dram_slot=slot, nbytes=codec.nbytes_for(self.geometry, first) or 0,
                                     device_block=device_block, codec=self.warm_codec, first=first))
         if not moves:
@@ -306,12 +315,21 @@ class TierManager(SessionOps):
         need = self.slots.used_slots - target
         return [job for job in [self._demote_rows(order[:need])] if job is not None]
 
-    def _demote_rows(self, rows: Iterable[int]) -> Job | None:
+    def _demote_rows(self, rows: Iterable[int], by_cost: bool = True) -> Job | None:
+        """Demote DRAM blocks to NVMe (``by_cost``: drop those not worth a disk write; an
+        operator's ``evict --to nvme`` is carried out as asked)."""
         col = self.index.col
         moves, drops = [], []
         for row in map(int, rows):
             if col["flags"][row] & IN_NVME:  # already on disk: releasing the DRAM copy is enough
                 self._release_dram(row, evicted=True)
+                continue
+            if by_cost and col["pin"][row] != Tier.NVME and not worth_keeping(int(col["reach"][row]), self.cost, on_nvme=True):
+                # restoring it from NVMe would be slower than recomputing it: not worth the write
+                self._release_dram(row, evicted=True)
+                self._forget_if_homeless(row)
+                self.counters["dram_dropped_blocks"] += 1
+                self.counters["demote_unprofitable_blocks"] += 1
                 continue
             codec = self.index.codecs[col["dram_codec"][row]]
             to_codec = "" if codec == self.cold_codec else self.cold_codec

@@ -102,7 +102,7 @@ class SessionOps:
         rows = self._evictable_rows(session)
         session.hot = False
         if to == Tier.NVME:
-            return self._demote_rows([r for r in rows if self.index.col["flags"][r] & IN_DRAM])
+            return self._demote_rows([r for r in rows if self.index.col["flags"][r] & IN_DRAM], by_cost=False)
         drops = []
         for row in rows:
             flags = self.index.col["flags"]

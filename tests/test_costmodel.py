@@ -200,3 +200,80 @@ def test_doctor_reads_break_even_from_a_server(fingerprint, hbm, tmp_path):
     finally:
         admin.stop()
         engine.close(write_back=False)
+
+
+def test_observed_dram_loads_refit_latency_and_rate():
+    m = model(20, 3)  # the start-up measurement says 20 GB/s and 0.3 ms a job
+    latency, per_byte = 0.002, 1 / (2 * GB)  # what the mover really does: 2 GB/s, 2 ms a job
+    m.observe_load(1 << 20, latency + (1 << 20) * per_byte)
+    assert m.load_fit is None  # one sample is not a fit
+    for blocks in (1, 4, 16, 64, 2, 32):
+        nbytes = blocks * m.dram_block_bytes
+        m.observe_load(nbytes, latency + nbytes * per_byte)
+    assert m.load_fit == pytest.approx((latency, per_byte), rel=1e-3)
+    assert m.load_seconds(100, 0) == pytest.approx(latency + 100 * m.dram_block_bytes * per_byte, rel=1e-3)
+    assert m.report()["dram_load"]["gbps"] == pytest.approx(2.0, rel=1e-3)
+    same_size = model(20, 3)
+    for _ in range(10):  # a single job size can't tell latency from rate: no fit, no harm
+        same_size.observe_load(1 << 20, 0.01)
+    assert same_size.load_fit is None
+
+
+def test_refreshed_rates_move_the_break_even():
+    m = model(12, 1.5, block_bytes=512 << 10)
+    before = m.break_even_tokens(True)
+    m.refresh_rates(LinkRates(0.2 * GB, 0.05 * GB, nvme_latency_s=1e-4, job_latency_s=3e-4))
+    after = m.break_even_tokens(True)
+    assert before is not None and (after is None or after > before)
+
+
+def test_worth_keeping_asks_the_break_even():
+    from kvtier.decide import worth_keeping
+
+    fast, crawling = model(12, 1.5, block_bytes=512 << 10), model(0.0005, 0.0005, block_bytes=512 << 10)
+    assert worth_keeping(10, None, on_nvme=True)  # no model: a cache keeps what it can
+    assert worth_keeping(10, model(1, 1, prefill=None), on_nvme=True)
+    assert worth_keeping(0, crawling, on_nvme=True)  # unknown prefix length: kept
+    assert not worth_keeping(1 << 20, crawling, on_nvme=True)  # never pays
+    be = fast.break_even_tokens(True)
+    assert not worth_keeping(be - 1, fast, on_nvme=True) and worth_keeping(be, fast, on_nvme=True)
+
+
+def test_demotion_drops_sessions_whose_restore_would_lose_to_recompute(fingerprint, hbm, tmp_path):
+    """Under DRAM pressure a long session goes to NVMe, a short one below the NVMe break-even is
+    dropped (not written), and one pinned to NVMe is written whatever the model says."""
+    from conftest import make_engine
+    from kvtier.index import IN_NVME, Tier, chain_block_hashes, namespace_of
+
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=16, nvme_blocks=32)
+    geometry = fingerprint.geometry
+    # 1 ms to read a block from NVMe, and attention-bound prefill: two blocks restore slower than
+    # they recompute, ten faster
+    quadratic = PrefillModel(overhead_s=0.0, per_token_s=0.0, attention_s=1e-6)
+    engine.manager.cost = m = model(1000, geometry.block_bytes / 1e-3 / GB, prefill=quadratic,
+                                    block_bytes=geometry.block_bytes)
+    be = m.break_even_tokens(True)
+    assert be is not None and 2 * BT < be <= 10 * BT, be
+    ns = namespace_of(fingerprint.digest)
+    tokens = list(range(10 * BT))
+    long_keys = chain_block_hashes(tokens, BT)
+    short_keys = chain_block_hashes([7] * 2 * BT, BT)
+    pinned_keys = chain_block_hashes([9] * 2 * BT, BT)
+    engine.store("long", ns, long_keys, list(range(10)), num_tokens=10 * BT)
+    engine.store("short", ns, short_keys, [10, 11], num_tokens=2 * BT)
+    engine.store("pinned", ns, pinned_keys, [12, 13], num_tokens=2 * BT)
+    engine.pin("pinned", Tier.NVME)
+    index = engine.manager.index
+    assert [int(index.col["reach"][index.row_of(ns, k)]) for k in short_keys] == [2 * BT] * 2
+    assert int(index.col["reach"][index.row_of(ns, long_keys[0])]) == 10 * BT
+    engine.manager.low = 0.0  # pressure: every DRAM block must go
+    engine.maintain(force=True)
+    flags = index.col["flags"]
+    assert all(flags[index.row_of(ns, k)] & IN_NVME for k in long_keys)
+    assert all(flags[index.row_of(ns, k)] & IN_NVME for k in pinned_keys)
+    assert all(index.row_of(ns, k) is None for k in short_keys)  # dropped, never written
+    assert engine.manager.counters["demote_unprofitable_blocks"] == 2
+    engine.store("short", ns, short_keys, [10, 11], num_tokens=2 * BT)
+    engine.evict("short", Tier.NVME)  # an operator's explicit demotion is carried out as asked
+    assert all(flags[index.row_of(ns, k)] & IN_NVME for k in short_keys)
+    engine.close(write_back=False)

@@ -316,3 +316,35 @@ def test_lossy_cold_codec_through_vllm(tiny_model, tmp_path):
     assert manager.counters["hit_nvme_blocks"] > 0 and tiered.num_cached_tokens == plain.num_cached_tokens
     assert list(tiered.outputs[0].token_ids)[:2] == list(plain.outputs[0].token_ids)[:2]
     close(llm)
+
+
+def test_cost_model_learns_while_serving_and_stops_storing_what_never_pays(tiny_model, tmp_path):
+    """In a live engine: prefill steps fit the model, DRAM loads are timed into it, the links are
+    re-measured in the background, and once the host link is measured as crawling (so no prefix
+    would load faster than it recomputes) new prompts are served but not stored."""
+    import time
+
+    llm = make_llm(str(tiny_model), max_batched=256, extra_config={"rates_refresh_s": 0.2})
+    scheduler = scheduler_connector(llm)._scheduler
+    for s, n in enumerate((300, 700, 1000, 520, 900)):  # chunked prefill: many step shapes
+        run(llm, prompt_of(20 + s, n))
+    assert scheduler.cost.prefill is not None  # fitted from the engine's own steps
+    history = prompt_of(20, 300)
+    llm.reset_prefix_cache()
+    run(llm, history)  # loads from DRAM: the mover's timing reaches the model
+    assert scheduler.cost._loads and scheduler.cost._loads[-1][0] == 2 * scheduler.cost.dram_block_bytes
+    deadline = time.monotonic() + 10
+    while scheduler.manager.counters["rate_refreshes"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.manager.counters["rate_refreshes"] >= 1
+    scheduler._stopping.set()  # no more refreshes: the next one would undo the crawling link below
+    time.sleep(0.3)
+    scheduler.cost.refresh_rates(scheduler.cost.rates.capped({"pcie": 1e-6}))  # 1 KB/s
+    assert scheduler.cost.break_even_tokens(from_nvme=False) is None
+    stored = scheduler.manager.counters["stored_blocks"]
+    fresh = prompt_of(40, 600)
+    out = run(llm, fresh)
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens  # served
+    assert scheduler.manager.counters["stored_blocks"] == stored  # not stored
+    assert scheduler.manager.counters["store_skipped_blocks"] == (len(fresh) + GREEDY.max_tokens - 1) // BLOCK
+    close(llm)

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.costmodel import CostModel, DEFAULT_RATES, measure_rates, parse_link_caps
-from kvtier.decide import LoadCandidate, blocks_to_load
+from kvtier.decide import LoadCandidate, blocks_to_load, worth_keeping
 from kvtier.index import IN_DRAM, namespace_of, validate_session_id
-from kvtier.jobs import Job
+from kvtier.jobs import Job, JobKind
 from kvtier.layout import ModelFingerprint
 from kvtier.manager import TierManager
 from kvtier.tiers.nvme import NvmeStore
@@ -61,6 +61,7 @@ class RequestState:
     loaded_tokens: int = 0  # tokens loaded from kvtier at admission
     counted: bool = False  # its prompt is in the hit-rate counters
     decision: str | None = None  # load | split | recompute, for the hit it had at admission
+    skipped_blocks: int = 0  # blocks not stored because the prefix was below the break-even (counted once)
 
 
 class KVTierScheduler:
@@ -85,6 +86,12 @@ class KVTierScheduler:
             cold_codec=str(extra.get("cold_codec", "none")),
         )
         self.cost = self._cost_model(extra, nvme_dir if nvme_dir and nvme_bytes else None)
+        self.manager.cost = self.cost  # demotion asks it too
+        self._stopping = threading.Event()
+        refresh_s = float(extra.get("rates_refresh_s", 300))
+        if refresh_s > 0 and self._measuring(extra):
+            threading.Thread(target=self._refresh_rates, args=(extra, nvme_dir if nvme_dir and nvme_bytes else None,
+                             refresh_s), name="kvtier-rates", daemon=True).start()
         self.requests: dict[str, RequestState] = {}
         self._steps: deque = deque()  # (start time, prefill shape or None) of steps in flight
         self._jobs: list[Job] = []  # planned this step, shipped by build_connector_meta
@@ -108,7 +115,7 @@ class KVTierScheduler:
         from kvtier.codecs import get_codec
 
         caps = parse_link_caps(extra.get("link_gbps"))
-        if str(extra.get("measure_links", "true")).lower() in ("0", "false", "no"):
+        if not self._measuring(extra):
             rates = DEFAULT_RATES.capped(caps)
         else:
             try:
@@ -123,6 +130,23 @@ class KVTierScheduler:
         log.info("kvtier: host->device %.2f GB/s, NVMe reads %.2f GB/s (%s)", rates.host_to_device_bps / 1e9,
                  rates.nvme_read_bps / 1e9, rates.source)
         return model
+
+    @staticmethod
+    def _measuring(extra: dict) -> bool:
+        return str(extra.get("measure_links", "true")).lower() not in ("0", "false", "no")
+
+    def _refresh_rates(self, extra: dict, nvme_dir: str | None, every_s: float) -> None:
+        """Re-measure the links every ``every_s`` seconds while serving (a link can degrade: PCIe
+        falls back a generation, a disk fills or throttles). Caps still apply."""
+        caps = parse_link_caps(extra.get("link_gbps"))
+        while not self._stopping.wait(every_s):
+            try:
+                rates = measure_rates(nvme_dir, caps, quick=True)
+            except Exception as exc:  # noqa: BLE001 - keep the last good figures
+                log.warning("kvtier: link re-measurement failed (%s); keeping the last figures", exc)
+                continue
+            self.cost.refresh_rates(rates)
+            self.manager.counters["rate_refreshes"] += 1
 
     def prefill_shape(self, scheduler_output: Any) -> tuple[int, int] | None:
         """(start, tokens) when this step runs one prefill chunk and nothing else: its forward time
@@ -222,6 +246,7 @@ class KVTierScheduler:
         threading.Thread(target=poke_until_idle, name="kvtier-wake", daemon=True).start()
 
     def shutdown(self) -> None:
+        self._stopping.set()
         if self.admin is not None:
             self.admin.stop()
             self.admin = None
@@ -320,7 +345,15 @@ class KVTierScheduler:
         if full <= state.stored_blocks:
             return
         keys = list(request.block_hashes[:full])
-        self.manager.record_session(state.session_id, state.namespace, keys, computed_after_step).hot = True
+        session = self.manager.record_session(state.session_id, state.namespace, keys, computed_after_step)
+        session.hot = True
+        if session.pinned is None and not worth_keeping(max(request.num_tokens, computed_after_step), self.cost,
+                                                         on_nvme=False):
+            # shorter than the DRAM break-even: loading it back would be slower than recomputing it.
+            # Stores resume (from the first block) if the request grows past it while it holds them.
+            self.manager.counters["store_skipped_blocks"] += full - max(state.skipped_blocks, state.stored_blocks)
+            state.skipped_blocks = max(state.skipped_blocks, full)
+            return
         first = state.stored_blocks
         job = self.manager.prepare_store(state.session_id, state.namespace, keys[first:full], state.block_ids[first:full],
                                          start=first)
@@ -340,6 +373,11 @@ class KVTierScheduler:
     def complete(self, results: list) -> None:
         for result in results:
             if result.job_id >= 0:
+                job = self.manager.jobs.get(result.job_id)
+                if job is not None and job.kind == JobKind.LOAD and result.ok and \
+                        not any(move.from_nvme for move in job.moves):
+                    # the live DRAM->HBM cost, in the model's own unit (blocks at the warm codec's size)
+                    self.cost.observe_load(len(job.moves) * self.cost.dram_block_bytes, result.seconds)
                 self.manager.complete(result)
                 if self.ops is not None:
                     self.ops.finished(result)
