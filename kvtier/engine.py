@@ -47,6 +47,8 @@ class TierEngine:
         records = self.nvme.scan() if self.nvme is not None else []
         self.manager = TierManager(fingerprint, dram_bytes, nvme_bytes if self.nvme is not None else 0, policy,
                                    high_watermark, low_watermark, records, warm_codec, cold_codec)
+        if self.nvme is not None and self.nvme.removed_at_scan:
+            self.manager.counters["nvme_removed_at_start"] = self.nvme.removed_at_scan
         self.arena = DramArena.for_allocator(self.manager.slots)
         adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
         self.mover = Mover(fingerprint, self.arena, self.nvme, adapter, kv_layers)

@@ -72,6 +72,8 @@ class TierManager(SessionOps):
         self.counters: Counter[str] = Counter()
         self.warnings: dict[str, str] = {}
         self.cost = None  # a kvtier.costmodel.CostModel when the connector has one (demotion asks it)
+        self._nvme_retry_at = 0.0  # after a failed NVMe write: victims are dropped until then
+        self._nvme_backoff = 0.0
         for record in nvme_records:
             self._adopt_nvme_block(record.namespace, record.key, record.nbytes)
 
@@ -324,6 +326,14 @@ class TierManager(SessionOps):
             if col["flags"][row] & IN_NVME:  # already on disk: releasing the DRAM copy is enough
                 self._release_dram(row, evicted=True)
                 continue
+            if by_cost and time.monotonic() < self._nvme_retry_at:
+                # the disk just failed a write (full, read-only, gone): keep DRAM turning over
+                # instead of retrying every step; a later demotion tries again
+                self._release_dram(row, evicted=True)
+                self._forget_if_homeless(row)
+                self.counters["dram_dropped_blocks"] += 1
+                self.counters["demote_skipped_nvme_failing_blocks"] += 1
+                continue
             if by_cost and col["pin"][row] != Tier.NVME and not worth_keeping(int(col["reach"][row]), self.cost, on_nvme=True):
                 # restoring it from NVMe would be slower than recomputing it: not worth the write
                 self._release_dram(row, evicted=True)
@@ -380,10 +390,13 @@ class TierManager(SessionOps):
             if col["flags"][row] & IN_DRAM and col["pin"][row] != Tier.DRAM:
                 self._release_dram(row, evicted=True)
             self.counters["demoted_blocks"] += 1
-        if result.error and "space" in result.error:
+        if result.error:  # full, read-only, removed...: blocks stay in DRAM, requests go on
             self.warnings["nvme"] = result.error
-        elif result.ok:
+            self._nvme_backoff = min(30.0, max(1.0, 2 * self._nvme_backoff))
+            self._nvme_retry_at = time.monotonic() + self._nvme_backoff
+        elif result.ok and job.moves:
             self.warnings.pop("nvme", None)
+            self._nvme_backoff = 0.0
 
     # ---- completion ---------------------------------------------------------------------------
     def complete(self, result: JobResult) -> None:

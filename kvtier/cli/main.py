@@ -232,6 +232,24 @@ def bench_costmodel(
     emit_bench("kvtier bench costmodel", COSTMODEL_KEYS, results, json_out)
 
 
+@bench_app.command("faults")
+@handle_errors
+def bench_faults(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quick: bool = typer.Option(False, "--quick", help="20 crash and 100 corruption trials instead of 200 and 1,000."),
+    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include load and disk faults against kvtier serve."),
+) -> None:
+    """Crashes (SIGKILL), corruption, DRAM pressure, hostile input, and load with disk faults on real vLLM."""
+    import contextlib
+    import sys
+
+    from kvtier.bench.faults import FAULT_KEYS, run_faults_bench
+
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
+        results = run_faults_bench(quick=quick, progress=bench_progress(json_out), vllm=vllm)
+    emit_bench("kvtier bench faults", FAULT_KEYS, results, json_out)
+
+
 @bench_app.command("top")
 @handle_errors
 def bench_top(

@@ -64,9 +64,10 @@ def bench_progress(json_out: bool) -> Callable[[str], None]:
 def emit_bench(title: str, keys: Sequence[str], results: dict, json_out: bool) -> None:
     """A benchmark's figures: exactly ``keys`` as JSON, or a table with the context figures too."""
     if json_out:
-        emit_json({key: round(results[key], 4) for key in keys})
+        emit_json({key: None if results[key] is None else round(results[key], 4) for key in keys})
         return
-    rows = [(key, str(results[key]) if isinstance(results[key], int) else f"{results[key]:.4f}") for key in keys]
+    rows = [(key, str(results[key]) if isinstance(results[key], int) or results[key] is None
+             else f"{results[key]:.4f}") for key in keys]
     rows += [(key.lstrip("_"), f"{value:.3f}" if isinstance(value, float) else value)
              for key, value in results.items() if key.startswith("_")]
     print_table(title, ["figure", "value"], rows)

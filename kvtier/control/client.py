@@ -140,9 +140,12 @@ def _raise(status: int, payload: bytes) -> None:
     except (ValueError, AttributeError):
         message, hint = payload.decode("utf-8", "replace")[:200], None
     if status == 404:
-        raise NotFoundError(message, hint=hint)
-    if status in (400, 405, 411, 413):
-        raise UsageError(message, hint=hint)
-    if status == 401:
-        raise KvtierError(message, hint=hint or "pass the admin token")
-    raise KvtierError(message, hint=hint)
+        exc: KvtierError = NotFoundError(message, hint=hint)
+    elif status in (400, 405, 411, 413):
+        exc = UsageError(message, hint=hint)
+    elif status == 401:
+        exc = KvtierError(message, hint=hint or "pass the admin token")
+    else:
+        exc = KvtierError(message, hint=hint)
+    exc.status = status  # the HTTP status, for callers that tell refusals (4xx) from faults (5xx)
+    raise exc

@@ -125,6 +125,7 @@ class NvmeStore:
         self._lock = threading.Lock()
         self._used = 0
         self._sizes: dict[tuple[bytes, bytes], int] = {}
+        self.removed_at_scan = 0
         self._buffers = _ThreadBuffers()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-nvme")
         self._dirty_dirs: set[Path] = set()
@@ -152,6 +153,7 @@ class NvmeStore:
         records = []
         used = 0
         sizes = {}
+        self.removed_at_scan = 0  # damaged files found and deleted (a crash cannot leave one; a disk can)
         for path in self._blocks_dir.glob("*/*/*.kvb"):
             try:
                 namespace = bytes.fromhex(path.parent.parent.name)
@@ -164,6 +166,7 @@ class NvmeStore:
             if size != file_bytes_for(nbytes) or len(namespace) != 16:
                 log.warning("NVMe tier: removing truncated block file %s", path)
                 path.unlink(missing_ok=True)
+                self.removed_at_scan += 1
                 continue
             records.append(BlockRecord(namespace, key, nbytes))
             sizes[(namespace, key)] = nbytes
@@ -231,11 +234,19 @@ class NvmeStore:
         try:
             header = self._buffers.header
             _pack_header(header, nbytes, checksum(data), fingerprint, namespace, codec, key)
-            self._write_file(tmp, header, payload, data, size)
+            try:
+                self._write_file(tmp, header, payload, data, size)
+            except FileNotFoundError:  # the directory was removed while serving: make it again
+                log.warning("NVMe tier: %s vanished; recreating it", self._tmp_dir)
+                self._tmp_dir.mkdir(parents=True, exist_ok=True)
+                self._write_file(tmp, header, payload, data, size)
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)
         except BaseException as exc:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # its directory is gone or is not one any more
+                pass
             self._release(size)
             if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
                 raise StorageFullError(
@@ -281,7 +292,10 @@ class NvmeStore:
         with self._lock:
             dirs, self._dirty_dirs = self._dirty_dirs, set()
         for directory in dirs:
-            fd = os.open(directory, os.O_RDONLY)
+            try:
+                fd = os.open(directory, os.O_RDONLY)
+            except FileNotFoundError:  # removed meanwhile: its blocks are gone and reads will say so
+                continue
             try:
                 os.fsync(fd)
             finally:

@@ -69,10 +69,11 @@ class KVTierScheduler:
         self.fingerprint = fingerprint
         self.block_tokens = fingerprint.geometry.block_tokens
         nvme_dir, nvme_bytes = extra.get("nvme_dir"), int(extra.get("nvme_bytes", 0))
-        records = []
+        records, removed = [], 0
         if nvme_dir and nvme_bytes:
             scanner = NvmeStore(nvme_dir, nvme_bytes, io_threads=1, direct=str(extra.get("direct_io", "auto")))
             records = scanner.scan()
+            removed = scanner.removed_at_scan
             scanner.close()
         self.manager = TierManager(
             fingerprint,
@@ -85,6 +86,8 @@ class KVTierScheduler:
             warm_codec=str(extra.get("warm_codec", "none")),
             cold_codec=str(extra.get("cold_codec", "none")),
         )
+        if removed:
+            self.manager.counters["nvme_removed_at_start"] = removed
         self.cost = self._cost_model(extra, nvme_dir if nvme_dir and nvme_bytes else None)
         self.manager.cost = self.cost  # demotion asks it too
         self._stopping = threading.Event()

@@ -1,0 +1,309 @@
+"""Faults while serving: ``kvtier serve`` on the tiny demo model under concurrent multi-turn load,
+with operator actions and disk faults, against the same conversations on plain vLLM.
+
+1. Reference: vLLM's OpenAI server without kvtier serves the conversations (same concurrency).
+2. kvtier: ``kvtier serve`` with a small DRAM tier (constant demotion) and its NVMe directory on a
+   256 MiB tmpfs in a private mount namespace (``unshare -rm``: no root needed), serves the same
+   conversations while a chaos thread evicts, drops, snapshots, restores, pins and unpins sessions
+   through the admin socket, and the disk is, in turn: filled (ENOSPC), freed, remounted
+   read-only, made writable, and wiped (``rm -rf``) under the server. For each disk fault the
+   warning must show in ``/v1/status``, ``/metrics`` and ``kvtier top --once --json``, and clear
+   once the disk works again.
+
+``failed_requests_under_load``: requests that got no completion (HTTP error, exception).
+``outputs_mismatched``: completions whose text differs from the reference's for the same
+conversation and turn. Greedy decoding; vLLM's own prefix cache is on in both servers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["run_serving_faults"]
+
+TMPFS_MB = 256
+WORDS = ("alpha beta gamma delta kernel cache block tier session token layer head vector matrix "
+         "page disk link queue shard model prompt").split()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _text(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) + str(rng.randrange(100)) for _ in range(words))
+
+
+def _script(clients: int, sessions_per_client: int, turns: int) -> list[list[tuple[str, list[str]]]]:
+    """Per client, its sessions in order (churn: a client moves on to a new session), each a list of
+    user messages (the first one a long context)."""
+    out = []
+    for c in range(clients):
+        sessions = []
+        for s in range(sessions_per_client):
+            sid = f"c{c}-s{s}"
+            seed = c * 1000 + s * 10
+            sessions.append((sid, [_text(seed, 500 + 100 * (c % 3))] + [_text(seed + t, 60) for t in range(1, turns)]))
+        out.append(sessions)
+    return out
+
+
+def _complete(base: str, prompt: str, session: str | None) -> str:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "seed": 0}).encode()
+    headers = {"Content-Type": "application/json"}
+    if session:
+        headers["X-Session-ID"] = session
+    request = urllib.request.Request(base + "/v1/completions", data=body, headers=headers)
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())["choices"][0]["text"]
+
+
+def _drive(base: str, script, kvtier: bool, done: list[int]) -> tuple[dict, list[str]]:
+    outputs: dict[tuple[str, int], str] = {}
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def client(sessions) -> None:
+        for sid, messages in sessions:
+            history = ""
+            for turn, message in enumerate(messages):
+                history += ("\n" if history else "") + message
+                try:
+                    reply = _complete(base, history, sid if kvtier else None)
+                except Exception as exc:  # noqa: BLE001 - every failure is counted, none hidden
+                    with lock:
+                        failures.append(f"{sid} turn {turn}: {type(exc).__name__}: {exc}")
+                    break
+                with lock:
+                    outputs[(sid, turn)] = reply
+                    done[0] += 1
+                history += reply
+
+    with ThreadPoolExecutor(len(script)) as pool:
+        list(pool.map(client, script))
+    return outputs, failures
+
+
+def _wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early ({proc.returncode}): {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError("server not ready in time")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class _Disk:
+    """The server's NVMe directory on a tmpfs only the server's mount namespace sees; reached from
+    here through ``/proc/<pid>/root`` and ``nsenter``."""
+
+    def __init__(self, pid: int, mount: Path):
+        self.pid, self.mount = pid, mount
+        self.view = Path(f"/proc/{pid}/root") / str(mount).lstrip("/")
+
+    def _ns(self, *cmd: str) -> None:
+        subprocess.run(["nsenter", "-t", str(self.pid), "-U", "-m", "--preserve-credentials", *cmd], check=True,
+                       capture_output=True)
+
+    def fill(self) -> None:
+        with open(self.view / "filler", "wb") as f:
+            chunk = b"\0" * (1 << 20)
+            try:
+                while True:
+                    f.write(chunk)
+                    f.flush()
+            except OSError:
+                pass
+
+    def free(self) -> None:
+        (self.view / "filler").unlink(missing_ok=True)
+
+    def read_only(self, on: bool) -> None:
+        self._ns("mount", "-o", f"remount,{'ro' if on else 'rw'}", str(self.mount))
+
+    def wipe(self) -> None:
+        shutil.rmtree(self.view / "nvme", ignore_errors=True)
+
+
+def _warnings(admin, sock: str, env: dict) -> dict[str, bool]:
+    status = admin.get("/v1/status").get("warnings", {})
+    metrics = admin.request("GET", "/metrics", raw=True)
+    top = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "top", "--once", "--json", "--socket", sock],
+                         capture_output=True, text=True, env=env, timeout=60)
+    banners = json.loads(top.stdout).get("banners", []) if top.returncode == 0 else []
+    return {"status": "nvme" in status, "metrics": 'kvtier_warning{tier="nvme"} 1.0' in metrics,
+            "top": any(b.startswith("nvme") for b in banners)}
+
+
+def _until(predicate: Callable[[], bool], timeout: float) -> float | None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.25)
+    return None
+
+
+def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = print) -> dict:
+    from kvtier.control.client import AdminClient
+    from kvtier.demo_model import ensure_demo_model
+    from kvtier.serve import admin_socket_path
+
+    model = str(ensure_demo_model("tiny", progress=progress))
+    script = _script(*((3, 2, 3) if quick else (4, 3, 4)))
+    requests = sum(len(messages) for sessions in script for _sid, messages in sessions)
+    results: dict = {"_requests": requests, "_clients": len(script)}
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-faults-") as tmp:
+        tmp = Path(tmp)
+        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
+                   VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), XDG_RUNTIME_DIR=str(tmp / "run"),
+                   KVTIER_SNAPSHOT_DIR=str(tmp / "snapshots"), TMPDIR=str(tmp), KVTIER_NO_NUMBA="1")
+        (tmp / "run").mkdir()
+        vllm_args = ["--max-model-len", "4096", "--enforce-eager", "--served-model-name", "tiny"]
+
+        # 1. the reference: plain vLLM, same conversations, same concurrency
+        port = _free_port()
+        base = f"http://127.0.0.1:{port}"
+        log = tmp / "plain.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+               *vllm_args]
+        progress("reference: plain vLLM serving the conversations")
+        plain = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_ready(base, plain, log)
+            reference, ref_failures = _drive(base, script, kvtier=False, done=[0])
+        finally:
+            _stop(plain)
+        if ref_failures:
+            raise RuntimeError(f"the reference server failed requests: {ref_failures[:3]}")
+
+        # 2. kvtier serve, its NVMe tier on a private tmpfs
+        port = _free_port()
+        base = f"http://127.0.0.1:{port}"
+        mount = tmp / "disk"
+        mount.mkdir()
+        log = tmp / "kvtier.log"
+        serve = [sys.executable, "-m", "kvtier.cli.main", "serve", model, "--port", str(port), "--dram", "8MiB",
+                 "--nvme-dir", str(mount / "nvme"), "--nvme", "192MiB", "--", *vllm_args]
+        wrapper = f'mount -t tmpfs -o size={TMPFS_MB}m tmpfs "$0" && exec "$@"'
+        progress("kvtier serve (NVMe tier on a private tmpfs) under load, chaos and disk faults")
+        server = subprocess.Popen(["unshare", "-rm", "sh", "-c", wrapper, str(mount), *serve], env=env,
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        sock = admin_socket_path(env)
+        chaos_counts = {"actions": 0, "refused": 0, "admin_errors": 0}
+        faults: dict[str, dict] = {}
+        stop = threading.Event()
+        try:
+            _wait_ready(base, server, log)
+            admin = AdminClient(sock, timeout=60)
+            disk = _Disk(server.pid, mount)
+            done = [0]
+
+            def chaos() -> None:
+                from kvtier.errors import KvtierError
+
+                rng = random.Random(7)
+                snaps: list[str] = []
+                while not stop.wait(rng.uniform(0.2, 0.8)):
+                    try:
+                        sessions = [s["session_id"] for s in admin.get("/v1/sessions")["sessions"]]
+                    except Exception:  # noqa: BLE001
+                        chaos_counts["admin_errors"] += 1
+                        continue
+                    if not sessions:
+                        continue
+                    sid = rng.choice(sessions)
+                    action = rng.choice(["evict-nvme", "evict-drop", "snapshot", "restore", "pin", "unpin"])
+                    try:
+                        if action == "evict-nvme":
+                            admin.post(f"/v1/sessions/{sid}/evict", {"to": "nvme"})
+                        elif action == "evict-drop":
+                            admin.post(f"/v1/sessions/{sid}/evict", {"to": "drop"})
+                        elif action == "snapshot":
+                            name = f"{sid}-{len(snaps)}.kvsnap"
+                            admin.post(f"/v1/sessions/{sid}/snapshot", {"path": name})
+                            snaps.append(name)
+                        elif action == "restore" and snaps:
+                            admin.post("/v1/restore", {"path": rng.choice(snaps)})
+                        elif action == "pin":
+                            admin.post(f"/v1/sessions/{sid}/pin", {"tier": "dram"})
+                        else:
+                            admin.post(f"/v1/sessions/{sid}/unpin")
+                        chaos_counts["actions"] += 1
+                    except KvtierError as exc:  # refused with a reason (busy, pinned, gone...): fine
+                        chaos_counts["refused"] += 1
+                        if getattr(exc, "status", 400) >= 500:
+                            chaos_counts["admin_errors"] += 1
+                    except Exception:  # noqa: BLE001 - the admin plane must not break under load
+                        chaos_counts["admin_errors"] += 1
+
+            def disk_faults() -> None:
+                plan = [("enospc", disk.fill, disk.free), ("read_only", lambda: disk.read_only(True),
+                                                           lambda: disk.read_only(False)),
+                        ("removed", disk.wipe, lambda: None)]
+                for name, inject, heal in plan:
+                    if stop.wait(4.0):
+                        return
+                    record = faults[name] = {}
+                    inject()
+                    shown = _until(lambda: _warnings(admin, sock, env)["status"], 60)
+                    record["warning_after_s"] = shown
+                    if shown is not None:
+                        record["shown_in"] = [k for k, v in _warnings(admin, sock, env).items() if v]
+                    heal()
+                    record["cleared_after_s"] = _until(lambda: not _warnings(admin, sock, env)["status"], 90) \
+                        if shown is not None else None
+
+            threads = [threading.Thread(target=chaos, daemon=True), threading.Thread(target=disk_faults, daemon=True)]
+            for thread in threads:
+                thread.start()
+            outputs, failures = _drive(base, script, kvtier=True, done=done)
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=300)
+            counters = admin.get("/v1/status").get("counters", {})
+        finally:
+            stop.set()
+            _stop(server)
+        mismatched = [key for key, text in reference.items() if key in outputs and outputs[key] != text]
+        results.update(
+            failed_requests_under_load=sum(1 for key in reference if key not in outputs),  # failed, or never
+            # sent because an earlier turn of its conversation failed
+            outputs_mismatched=len(mismatched),
+            _failures=failures[:5], _mismatched=[f"{s} turn {t}" for s, t in mismatched[:5]],
+            _chaos=chaos_counts, _disk_faults=faults,
+            _counters={k: v for k, v in counters.items() if k.startswith(("hit_", "demote", "dram_dropped",
+                                                                          "nvme_", "restored", "jobs_"))},
+        )
+    return results
