@@ -5,7 +5,6 @@ bit for bit against its reference."""
 from __future__ import annotations
 
 import shutil
-import pytest
 
 from kvtier.bench import faults
 
