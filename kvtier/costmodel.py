@@ -126,6 +126,12 @@ class PrefillModel:
         data = np.asarray(points, dtype=np.float64)
         start, tokens, seconds = data[:, 0], data[:, 1], data[:, 2]
         design = np.stack([np.ones_like(tokens), tokens, tokens * start + tokens * tokens / 2], axis=1)
+        if tokens.max() < 2 * tokens.min():
+            # every step had about the same size (full prefill chunks): a fixed cost per step cannot
+            # be told apart from a per-token one, and a fitted overhead would be wild for short
+            # chunks. Fold it into the per-token cost: short steps are then under-predicted, which
+            # errs towards recomputing (never slower than having no cache).
+            design[:, 0] = 0.0
         # relative error matters (a 16k prefill is seconds, a short one milliseconds): weight by 1/t
         weight = 1.0 / np.maximum(seconds, 1e-4)
         coef = _nonnegative_lstsq(design * weight[:, None], seconds * weight)

@@ -237,7 +237,9 @@ def _check_nvme_dir(settings: Settings, create: bool) -> list[str]:
         fstype = filesystem_type(where)
     except OSError as exc:
         raise ConfigError(f"cannot use NVMe dir {raw}: {exc.strerror}", hint=unusable) from None
-    if fstype in RAM_FILESYSTEMS:
+    if fstype in RAM_FILESYSTEMS and os.environ.get("KVTIER_ALLOW_RAM_NVME") == "1":
+        warnings.append(f"NVMe dir {raw} is on {fstype} (RAM): allowed by KVTIER_ALLOW_RAM_NVME=1, for tests only")
+    elif fstype in RAM_FILESYSTEMS:
         raise ConfigError(
             f"NVMe dir {raw} is on {fstype}, which lives in RAM: the cold tier would take memory, "
             "not disk, and vanish on reboot",

@@ -277,3 +277,17 @@ def test_demotion_drops_sessions_whose_restore_would_lose_to_recompute(fingerpri
     engine.evict("short", Tier.NVME)  # an operator's explicit demotion is carried out as asked
     assert all(flags[index.row_of(ns, k)] & IN_NVME for k in short_keys)
     engine.close(write_back=False)
+
+
+def test_equal_sized_steps_fold_the_overhead_into_the_per_token_cost():
+    """Full prefill chunks only (all 512 tokens): overhead and per-token cost are collinear. The fit
+    must not invent a large fixed cost that would make a short tail look expensive."""
+    def slow(s: int, n: int) -> float:  # a real fixed cost of 0.5 s per step
+        return 0.5 + 50e-6 * n + 2e-9 * (n * s + n * n / 2)
+
+    noisy = [(s, 512, slow(s, 512) * (1.05 if s % 1024 else 0.95)) for s in range(0, 8192, 512)]
+    fitted = PrefillModel.fit(noisy)
+    assert fitted.overhead_s == 0.0
+    tail = fitted.seconds(8192, 128)
+    assert tail <= slow(8192, 128)  # under-predicted: errs towards recomputing
+    assert fitted.seconds(4096, 512) == pytest.approx(slow(4096, 512), rel=0.15)

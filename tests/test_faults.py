@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from kvtier.bench import faults
 
 
@@ -142,3 +144,25 @@ def test_bench_faults_cli_without_vllm_prints_the_keys(tmp_path, monkeypatch):
     assert set(doc) == set(faults.FAULT_KEYS)
     assert doc["corrupt_loads"] == 0 and doc["failed_requests_under_load"] is None
 
+
+
+@pytest.mark.slow
+def test_serving_under_load_chaos_and_disk_faults_matches_plain_vllm(tiny_model):
+    """kvtier serve vs plain vLLM on the same concurrent conversations, with operator chaos and the
+    NVMe disk filled, made read-only and wiped under the server (``unshare``: no root needed)."""
+    import shutil as _shutil
+
+    if not (_shutil.which("unshare") and _shutil.which("nsenter")):
+        pytest.skip("needs unshare and nsenter (util-linux)")
+    pytest.importorskip("vllm")
+    from kvtier.plugins.vllm.bench_faults import run_serving_faults
+
+    out = run_serving_faults(quick=True, progress=lambda _m: None, model=str(tiny_model))
+    assert out["failed_requests_under_load"] == 0, out["_failures"]
+    assert out["outputs_mismatched"] == 0, out["_mismatched"]
+    assert out["_chaos"]["admin_errors"] == 0 and out["_chaos"]["actions"] > 0
+    for name in ("enospc", "read_only"):
+        fault = out["_disk_faults"][name]
+        assert fault["warning_after_s"] is not None, (name, fault)
+        assert sorted(fault["shown_in"]) == ["metrics", "status", "top"], (name, fault)
+        assert fault["cleared_after_s"] is not None, (name, fault)

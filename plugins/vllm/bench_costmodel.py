@@ -50,7 +50,9 @@ def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Calla
         engine = Engine(model, kvtier=True, nvme_dir=Path(tmp) / "nvme", max_len=max(lengths) + 256)
         cost = engine.connector._scheduler.cost
         progress("warm-up: the prefill model learns from the engine's own steps")
-        for seed, n in ((1, 64), (2, 512), (3, 2048), (4, 4096), (5, 1536), (6, 3000)):
+        # what serving shows the model: short prompts and long ones (whose full chunks and
+        # remainders come at many offsets)
+        for seed, n in ((1, 64), (2, 512), (7, 96), (3, 2048), (8, 200), (4, 4096), (9, 300), (5, 1536), (6, 3000)):
             engine.timed(_prompt(seed, n))
         assert cost.prefill is not None, "no prefill model after warm-up"
         errors_restore, errors_recompute = [], []

@@ -175,12 +175,12 @@ def _until(predicate: Callable[[], bool], timeout: float) -> float | None:
     return None
 
 
-def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = print) -> dict:
+def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = print, model: str | None = None) -> dict:
     from kvtier.control.client import AdminClient
     from kvtier.demo_model import ensure_demo_model
     from kvtier.serve import admin_socket_path
 
-    model = str(ensure_demo_model("tiny", progress=progress))
+    model = model or str(ensure_demo_model("tiny", progress=progress))
     script = _script(*((3, 2, 3) if quick else (4, 3, 4)))
     requests = sum(len(messages) for sessions in script for _sid, messages in sessions)
     results: dict = {"_requests": requests, "_clients": len(script)}
@@ -188,7 +188,8 @@ def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = pr
         tmp = Path(tmp)
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
                    VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), XDG_RUNTIME_DIR=str(tmp / "run"),
-                   KVTIER_SNAPSHOT_DIR=str(tmp / "snapshots"), TMPDIR=str(tmp), KVTIER_NO_NUMBA="1")
+                   KVTIER_SNAPSHOT_DIR=str(tmp / "snapshots"), TMPDIR=str(tmp), KVTIER_NO_NUMBA="1",
+                   KVTIER_ALLOW_RAM_NVME="1")  # the disk under test is a tmpfs (mountable without root)
         (tmp / "run").mkdir()
         vllm_args = ["--max-model-len", "4096", "--enforce-eager", "--served-model-name", "tiny"]
 
@@ -285,10 +286,31 @@ def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = pr
                     record["cleared_after_s"] = _until(lambda: not _warnings(admin, sock, env)["status"], 90) \
                         if shown is not None else None
 
-            threads = [threading.Thread(target=chaos, daemon=True), threading.Thread(target=disk_faults, daemon=True)]
+            faults_done = threading.Event()
+            extra = {"requests": 0, "failed": 0}
+
+            def background_traffic() -> None:  # keeps demotions going until every disk fault has run
+                i = 0
+                while not faults_done.is_set():
+                    try:
+                        _complete(base, _text(50_000 + i, 300), f"bg-{i % 5}")
+                        extra["requests"] += 1
+                    except Exception:  # noqa: BLE001 - counted with the other failures
+                        extra["failed"] += 1
+                    i += 1
+
+            def run_disk_faults() -> None:
+                try:
+                    disk_faults()
+                finally:
+                    faults_done.set()
+
+            threads = [threading.Thread(target=chaos, daemon=True), threading.Thread(target=run_disk_faults, daemon=True),
+                       threading.Thread(target=background_traffic, daemon=True)]
             for thread in threads:
                 thread.start()
             outputs, failures = _drive(base, script, kvtier=True, done=done)
+            faults_done.wait(timeout=900)
             stop.set()
             for thread in threads:
                 thread.join(timeout=300)
@@ -298,8 +320,10 @@ def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = pr
             _stop(server)
         mismatched = [key for key, text in reference.items() if key in outputs and outputs[key] != text]
         results.update(
-            failed_requests_under_load=sum(1 for key in reference if key not in outputs),  # failed, or never
-            # sent because an earlier turn of its conversation failed
+            # failed, or never sent because an earlier turn of its conversation failed; and the
+            # background requests that kept the disk busy until every disk fault had run
+            failed_requests_under_load=sum(1 for key in reference if key not in outputs) + extra["failed"],
+            _background_requests=extra["requests"],
             outputs_mismatched=len(mismatched),
             _failures=failures[:5], _mismatched=[f"{s} turn {t}" for s, t in mismatched[:5]],
             _chaos=chaos_counts, _disk_faults=faults,
