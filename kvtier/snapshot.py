@@ -52,7 +52,7 @@ from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.nvme import checksum, probe_direct_io
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "BlockEntry", "SnapshotInfo", "SnapshotWriter", "write_snapshot",
-           "open_snapshot", "read_blocks", "verify_snapshot"]
+           "open_snapshot", "read_blocks", "verify_snapshot", "remove_stale_temp_files"]
 
 MAGIC = b"KVTSNAP\0"
 FORMAT_VERSION = 1
@@ -621,3 +621,26 @@ def verify_snapshot(path: str | os.PathLike[str] | SnapshotInfo,
         if progress is not None:
             progress(done, total)
     return info
+
+
+def remove_stale_temp_files(directory: str | os.PathLike[str], older_than_s: float = 60.0) -> int:
+    """Delete the ``.<name>.tmp-<hex>`` files a killed writer left in ``directory`` (they are never
+    read: a snapshot becomes visible only by its rename). Files younger than ``older_than_s`` may
+    belong to a writer still running and are kept. Returns how many were deleted."""
+    removed = 0
+    now = time.time()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(".") and ".tmp-" in name):
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False) and now - entry.stat().st_mtime >= older_than_s:
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:
+            continue
+    return removed

@@ -35,7 +35,7 @@ def test_the_restart_check_catches_a_wrong_block(tmp_path):
     world.close()
     out = {k: 0 for k in ("corrupt_loads", "lost_acknowledged_blocks", "lost_acknowledged_snapshots",
                           "bad_snapshots", "unreadable_blocks", "blocks_checked", "snapshots_checked",
-                          "temp_files_left")}
+                          "temp_files_left", "snapshot_temp_files_cleaned")}
     faults._verify_after_restart(tmp_path, set(keys) | {b"\x01" * 32}, set(), [], out)
     assert out["corrupt_loads"] == 1 and out["lost_acknowledged_blocks"] == 1 and out["blocks_checked"] == 4
 

@@ -505,3 +505,21 @@ def test_public_api():
                                  "verify_snapshot", "SnapshotInfo", "BlockEntry"}
     assert BlockEntry(b"k", 0, 0, 0).key == b"k"
     assert SnapshotInfo.__dataclass_params__.frozen
+
+
+def test_stale_temp_files_of_a_killed_writer_are_removed(tmp_path):
+    import os
+    import time as _time
+
+    from kvtier.snapshot import remove_stale_temp_files
+
+    stale = tmp_path / ".agent.kvsnap.tmp-1a2b3c4d"
+    fresh = tmp_path / ".other.kvsnap.tmp-5e6f7a8b"
+    keep = [tmp_path / "agent.kvsnap", tmp_path / ".hidden", tmp_path / "notes.tmp-1"]
+    for path in [stale, fresh, *keep]:
+        path.write_bytes(b"x")
+    old = _time.time() - 3600
+    os.utime(stale, (old, old))
+    assert remove_stale_temp_files(tmp_path) == 1  # the fresh one may be a writer still running
+    assert not stale.exists() and fresh.exists() and all(p.exists() for p in keep)
+    assert remove_stale_temp_files(tmp_path / "missing") == 0

@@ -231,7 +231,7 @@ def _crash_child(root: str, seed: int, fd: int) -> None:
 def _verify_after_restart(root: Path, acked_nvme: set[bytes], acked_snaps: set[str], check_snaps: list[Path],
                           out: dict) -> None:
     from kvtier.index import chain_block_hashes  # noqa: F401  (imported for symmetry with the child)
-    from kvtier.snapshot import open_snapshot, verify_snapshot
+    from kvtier.snapshot import open_snapshot, remove_stale_temp_files, verify_snapshot
 
     world = World(root)  # a restart: scans the NVMe directory, deletes leftover temp files
     try:
@@ -256,6 +256,7 @@ def _verify_after_restart(root: Path, acked_nvme: set[bytes], acked_snaps: set[s
             loaded += len(good)
         out["blocks_checked"] += loaded
         out["corrupt_loads"] += len(wrong)
+        out["snapshot_temp_files_cleaned"] += remove_stale_temp_files(world.snapshots, older_than_s=0)
         present = {p.name for p in world.snapshots.glob("*.kvsnap")}
         out["lost_acknowledged_snapshots"] += len(acked_snaps - present)
         for path in check_snaps:
@@ -306,7 +307,7 @@ def run_crash_trials(trials: int = 200, seed: int = 0, directory: Path | None = 
     rng = random.Random(seed)
     out = {k: 0 for k in ("crash_trials", "corrupt_loads", "lost_acknowledged_blocks", "lost_acknowledged_snapshots",
                           "bad_snapshots", "unreadable_blocks", "blocks_checked", "snapshots_checked",
-                          "temp_files_left", "live_wrong_loads")}
+                          "temp_files_left", "live_wrong_loads", "snapshot_temp_files_cleaned")}
     killed_during: dict[str, int] = {}
     acked_nvme: set[bytes] = set()
     acked_snaps: set[str] = set()

@@ -93,6 +93,10 @@ class Ops:
         self.enqueue = enqueue
         self.wake = wake
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir else None
+        if self.snapshot_dir is not None:  # what a killed snapshot writer left behind
+            from kvtier.snapshot import remove_stale_temp_files
+
+            remove_stale_temp_files(self.snapshot_dir)
         self.info = dict(info or {})
         self.started = time.time()
         self.jobs: dict[int, JobRecord] = {}
