@@ -6,7 +6,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -22,17 +21,9 @@ def free_port() -> int:
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"kvtier serve exited early with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError("server not ready in time")
+    from kvtier.plugins.vllm.bench_faults import wait_ready as ready
+
+    ready(url, proc, timeout=timeout)
 
 
 def process_gone(pid: int) -> bool:

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["run_serving_faults"]
+__all__ = ["run_serving_faults", "wait_ready"]
 
 TMPFS_MB = 256
 WORDS = ("alpha beta gamma delta kernel cache block tier session token layer head vector matrix "
@@ -100,11 +100,13 @@ def _drive(base: str, script, kvtier: bool, done: list[int]) -> tuple[dict, list
     return outputs, failures
 
 
-def _wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+def wait_ready(base: str, proc: subprocess.Popen, log: Path | None = None, timeout: float = 300) -> None:
+    """Wait until the OpenAI server at ``base`` answers /health (raises if ``proc`` exits first)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited early ({proc.returncode}): {log.read_text()[-2000:]}")
+            tail = log.read_text()[-2000:] if log is not None else ""
+            raise RuntimeError(f"server exited early ({proc.returncode}): {tail}")
         try:
             with urllib.request.urlopen(base + "/health", timeout=2) as response:
                 if response.status == 200:
@@ -202,7 +204,7 @@ def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = pr
         progress("reference: plain vLLM serving the conversations")
         plain = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            _wait_ready(base, plain, log)
+            wait_ready(base, plain, log)
             reference, ref_failures = _drive(base, script, kvtier=False, done=[0])
         finally:
             _stop(plain)
@@ -226,7 +228,7 @@ def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = pr
         faults: dict[str, dict] = {}
         stop = threading.Event()
         try:
-            _wait_ready(base, server, log)
+            wait_ready(base, server, log)
             admin = AdminClient(sock, timeout=60)
             disk = _Disk(server.pid, mount)
             done = [0]
