@@ -49,6 +49,7 @@ class TierEngine:
                                    high_watermark, low_watermark, records, warm_codec, cold_codec)
         if self.nvme is not None and self.nvme.removed_at_scan:
             self.manager.counters["nvme_removed_at_start"] = self.nvme.removed_at_scan
+            self.manager._warn_bad_nvme_blocks()
         self.arena = DramArena.for_allocator(self.manager.slots)
         adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
         self.mover = Mover(fingerprint, self.arena, self.nvme, adapter, kv_layers)

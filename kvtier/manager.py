@@ -288,6 +288,7 @@ class TierManager(SessionOps):
                 self._release_nvme(row, evicted=False)
                 self._forget_if_homeless(row)
                 self.counters["nvme_failed_reads"] += 1
+                self._warn_bad_nvme_blocks()
                 continue
             if move.dram_slot < 0:  # streamed straight through, not promoted
                 continue
@@ -296,6 +297,13 @@ class TierManager(SessionOps):
             col["dram_nbytes"][row] = sizes.get(i, move.nbytes)
             col["dram_codec"][row] = self.index.codec_id(move.codec)
             self.policies[Tier.DRAM].on_insert(row, (move.namespace, move.key))
+
+    def _warn_bad_nvme_blocks(self) -> None:
+        """A lasting warning (not cleared by later successes: the operator should know the disk
+        lost or damaged data), with the running count."""
+        bad = self.counters["nvme_failed_reads"] + self.counters["nvme_removed_at_start"]
+        self.warnings["nvme_reads"] = (f"{bad} NVMe blocks were missing or corrupt: dropped, and vLLM recomputed "
+                                       "them (check the disk, and that nothing else writes to the NVMe dir)")
 
     @staticmethod
     def _failed_positions(job: Job, result: JobResult) -> set[int]:

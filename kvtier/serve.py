@@ -349,8 +349,9 @@ def vllm_command(
 ) -> tuple[list[str], dict[str, str]]:
     """argv and environment for vLLM's OpenAI server with kvtier's connector.
 
-    The environment is ``base_env`` (default ``os.environ``) plus, on CPU, ``VLLM_TARGET_DEVICE=cpu``
-    and ``VLLM_CPU_KVCACHE_SPACE=4`` -- each only if the user has not set it.
+    The environment is ``base_env`` (default ``os.environ``) plus, on CPU, ``VLLM_TARGET_DEVICE=cpu``,
+    ``VLLM_CPU_KVCACHE_SPACE=4`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` -- each only if the user has
+    not set it.
     """
     extra = list(extra_args)
     for arg in extra:
@@ -373,6 +374,11 @@ def vllm_command(
     if is_cpu_only() if cpu is None else cpu:
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        # vLLM's CPU backend reserves one more core whenever a KV connector is configured (for
+        # NIXL's prefill/decode transfers, which kvtier does not use). On a small box that changes
+        # the model's OpenMP thread count, so outputs stop matching plain vLLM bit for bit (found
+        # by `kvtier bench faults`); kvtier's mover threads share the scheduler's reserved core.
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     return cmd, env
 
 

@@ -138,8 +138,13 @@ def test_cpu_env_respects_the_users_values(env, model_dir):
 
     settings, _ = load_settings(env={}, toml_path=None)
     _cmd, child_env = vllm_command(str(model_dir), settings, "127.0.0.1", 8000, None, [],
-                                   base_env={"VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/bin"}, cpu=True)
-    assert child_env == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/bin"}
+                                   base_env={"VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/bin",
+                                             "VLLM_CPU_NUM_OF_RESERVED_CPU": "3"}, cpu=True)
+    assert child_env == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/bin",
+                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "3"}
+    _cmd, child_env = vllm_command(str(model_dir), settings, "127.0.0.1", 8000, None, [],
+                                   base_env={"PATH": "/bin"}, cpu=True)  # the same cores as plain vLLM
+    assert child_env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     _cmd, child_env = vllm_command(str(model_dir), settings, "127.0.0.1", 8000, None, [],
                                    base_env={"PATH": "/bin"}, cpu=False)  # GPU: nothing added
     assert child_env == {"PATH": "/bin"}

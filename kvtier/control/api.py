@@ -286,8 +286,8 @@ def metrics(ops: "Ops") -> bytes:
                 decisions.add_metric([decision], counters.get(f"decision_{decision}", 0))
             yield decisions
             warn = GaugeMetricFamily("kvtier_warning", "1 while a tier has a warning", labels=["tier"])
-            for tier in ("dram", "nvme"):
-                warn.add_metric([tier], 1 if tier in stats["warnings"] else 0)
+            for tier in ("dram", "nvme"):  # "nvme" also covers "nvme_reads" (blocks lost or damaged)
+                warn.add_metric([tier], 1 if any(k.split("_")[0] == tier for k in stats["warnings"]) else 0)
             yield warn
 
     registry = CollectorRegistry(auto_describe=False)

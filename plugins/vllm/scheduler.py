@@ -88,6 +88,7 @@ class KVTierScheduler:
         )
         if removed:
             self.manager.counters["nvme_removed_at_start"] = removed
+            self.manager._warn_bad_nvme_blocks()
         self.cost = self._cost_model(extra, nvme_dir if nvme_dir and nvme_bytes else None)
         self.manager.cost = self.cost  # demotion asks it too
         self._stopping = threading.Event()
