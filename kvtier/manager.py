@@ -398,6 +398,9 @@ class TierManager(SessionOps):
             if col["flags"][row] & IN_DRAM and col["pin"][row] != Tier.DRAM:
                 self._release_dram(row, evicted=True)
             self.counters["demoted_blocks"] += 1
+        if result.extra.get("nvme_recreated"):  # lasting, like lost blocks found by reads
+            self.warnings["nvme_lost"] = ("the NVMe directory vanished while serving and was recreated: the "
+                                          "blocks it held are gone and will be recomputed")
         if result.error:  # full, read-only, removed...: blocks stay in DRAM, requests go on
             self.warnings["nvme"] = result.error
             self._nvme_backoff = min(30.0, max(1.0, 2 * self._nvme_backoff))

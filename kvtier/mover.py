@@ -50,6 +50,7 @@ class Mover:
 
         self.fingerprint = fingerprint
         self.arena = arena
+        self._recreated_seen = 0  # NVMe directory re-creations already reported
         self.store = store
         self.adapter = adapter
         self.kv_layers = list(kv_layers) if kv_layers is not None else None
@@ -311,6 +312,9 @@ class Mover:
             futures.append(store.submit_write(move.namespace, move.key, payload, self.fingerprint.digest, move.codec))
         self._collect_writes(futures, job.moves, result, "dram->nvme")
         store.sync_dirs()
+        if store.recreated > self._recreated_seen:
+            self._recreated_seen = store.recreated
+            result.extra["nvme_recreated"] = True  # the directory had vanished: what it held is gone
 
     def _transcoded(self, move: BlockMove, payload: "torch.Tensor") -> "torch.Tensor":
         """``payload`` re-encoded from ``move.codec`` to ``move.to_codec`` (updates the move)."""

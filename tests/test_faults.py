@@ -121,7 +121,7 @@ def test_nvme_directory_removed_while_serving_is_recreated(tmp_path):
     world.engine.store("fresh", world.ns, keys, [0, 1, 2], num_tokens=48)
     world.engine.evict("fresh", Tier.NVME)  # the next demotion recreates the directory
     assert (tmp_path / "nvme" / "tmp").is_dir() and "nvme" not in world.engine.manager.warnings
-    assert "nvme_reads" in world.engine.manager.warnings
+    assert "nvme_reads" in world.engine.manager.warnings and "vanished" in world.engine.manager.warnings["nvme_lost"]
     world.close()
     again = faults.World(tmp_path, dram_blocks=8, nvme_blocks=64)  # and a restart finds the new blocks
     loaded, wrong = again.load_and_check(keys)

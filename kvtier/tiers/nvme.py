@@ -126,6 +126,7 @@ class NvmeStore:
         self._used = 0
         self._sizes: dict[tuple[bytes, bytes], int] = {}
         self.removed_at_scan = 0
+        self.recreated = 0  # times the directory vanished under us and was made again
         self._buffers = _ThreadBuffers()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-nvme")
         self._dirty_dirs: set[Path] = set()
@@ -239,6 +240,7 @@ class NvmeStore:
             except FileNotFoundError:  # the directory was removed while serving: make it again
                 log.warning("NVMe tier: %s vanished; recreating it", self._tmp_dir)
                 self._tmp_dir.mkdir(parents=True, exist_ok=True)
+                self.recreated += 1
                 self._write_file(tmp, header, payload, data, size)
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)
