@@ -291,3 +291,35 @@ def test_equal_sized_steps_fold_the_overhead_into_the_per_token_cost():
     tail = fitted.seconds(8192, 128)
     assert tail <= slow(8192, 128)  # under-predicted: errs towards recomputing
     assert fitted.seconds(4096, 512) == pytest.approx(slow(4096, 512), rel=0.15)
+
+
+def test_rate_refresh_waits_for_a_quiet_engine_but_not_forever():
+    """The link re-measurement waits until the engine has been idle for quiet_s; if it never is,
+    it gives up after patience_s (False), and shutting down ends the wait (None)."""
+    import threading
+    import time
+
+    from plugins.vllm.scheduler import wait_until_quiet
+
+    stopping = threading.Event()
+    last = [time.monotonic()]
+    busy = threading.Event()
+
+    def engine():  # steps every 20 ms until told to stop, then goes quiet
+        while not busy.is_set():
+            last[0] = time.monotonic()
+            time.sleep(0.02)
+
+    worker = threading.Thread(target=engine)
+    worker.start()
+    t0 = time.monotonic()
+    assert wait_until_quiet(lambda: time.monotonic() - last[0], stopping, quiet_s=0.2, patience_s=0.5) is False
+    assert time.monotonic() - t0 >= 0.5  # it did wait its patience out
+    threading.Timer(0.3, busy.set).start()  # the engine goes quiet after 0.3 s
+    t0 = time.monotonic()
+    assert wait_until_quiet(lambda: time.monotonic() - last[0], stopping, quiet_s=0.2, patience_s=5.0) is True
+    waited = time.monotonic() - t0
+    assert waited >= 0.2 + 0.2  # not before the engine went quiet and stayed so for quiet_s
+    worker.join()
+    threading.Timer(0.1, stopping.set).start()
+    assert wait_until_quiet(lambda: 0.0, stopping, quiet_s=0.2, patience_s=5.0) is None

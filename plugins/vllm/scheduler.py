@@ -33,7 +33,7 @@ from kvtier.layout import ModelFingerprint
 from kvtier.manager import TierManager
 from kvtier.tiers.nvme import NvmeStore
 
-__all__ = ["KVTierScheduler", "RequestState", "session_of"]
+__all__ = ["KVTierScheduler", "RequestState", "session_of", "wait_until_quiet"]
 
 log = logging.getLogger("kvtier.connector")
 
@@ -48,6 +48,21 @@ def session_of(request: Any) -> str:
             log.warning("kvtier: ignoring invalid session id %r", session_id)
     hashes = request.block_hashes
     return f"anon-{bytes(hashes[0]).hex()[:16]}" if hashes else f"anon-{request.request_id}"[:128]
+
+
+def wait_until_quiet(idle_for: Any, stopping: threading.Event, quiet_s: float, patience_s: float) -> bool | None:
+    """Wait until ``idle_for()`` (seconds without engine activity) reaches ``quiet_s``, for at most
+    ``patience_s``. True: quiet; False: still busy after all that patience; None: ``stopping`` set."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        idle = idle_for()
+        if idle >= quiet_s:
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if stopping.wait(min(left, max(quiet_s - idle, 0.05))):
+            return None
 
 
 @dataclass
@@ -92,6 +107,7 @@ class KVTierScheduler:
         self.cost = self._cost_model(extra, nvme_dir if nvme_dir and nvme_bytes else None)
         self.manager.cost = self.cost  # demotion asks it too
         self._stopping = threading.Event()
+        self._last_step = 0.0  # monotonic time of the last step start or end: the rate refresher waits for quiet
         refresh_s = float(extra.get("rates_refresh_s", 300))
         if refresh_s > 0 and self._measuring(extra):
             threading.Thread(target=self._refresh_rates, args=(extra, nvme_dir if nvme_dir and nvme_bytes else None,
@@ -141,9 +157,17 @@ class KVTierScheduler:
 
     def _refresh_rates(self, extra: dict, nvme_dir: str | None, every_s: float) -> None:
         """Re-measure the links every ``every_s`` seconds while serving (a link can degrade: PCIe
-        falls back a generation, a disk fills or throttles). Caps still apply."""
+        falls back a generation, a disk fills or throttles). Caps still apply. A measurement copies
+        and reads tens of MB: it waits for a quiet engine, so that it neither slows a forward pass
+        nor measures a link that a forward pass is using; after another period of waiting it runs
+        anyway (a box that is never idle still gets fresh figures)."""
         caps = parse_link_caps(extra.get("link_gbps"))
         while not self._stopping.wait(every_s):
+            quiet = wait_until_quiet(self._idle_for, self._stopping, quiet_s=min(1.0, every_s), patience_s=every_s)
+            if quiet is None:
+                return  # shutting down
+            if not quiet:
+                self.manager.counters["rate_refreshes_busy"] += 1
             try:
                 rates = measure_rates(nvme_dir, caps, quick=True)
             except Exception as exc:  # noqa: BLE001 - keep the last good figures
@@ -151,6 +175,10 @@ class KVTierScheduler:
                 continue
             self.cost.refresh_rates(rates)
             self.manager.counters["rate_refreshes"] += 1
+
+    def _idle_for(self) -> float:
+        """Seconds since the engine last started or finished a step; 0 while a step is running."""
+        return 0.0 if self._steps else time.monotonic() - self._last_step
 
     def prefill_shape(self, scheduler_output: Any) -> tuple[int, int] | None:
         """(start, tokens) when this step runs one prefill chunk and nothing else: its forward time
@@ -172,6 +200,7 @@ class KVTierScheduler:
         """A step is about to run (vLLM builds our metadata right before executing it)."""
         if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
             return
+        self._last_step = time.monotonic()
         self._steps.append((time.perf_counter(), self.prefill_shape(scheduler_output)))
         if len(self._steps) > 4:  # steps we were never told the end of: start over
             self._steps.clear()
@@ -182,6 +211,7 @@ class KVTierScheduler:
         With two steps in flight (async scheduling) the interval overlaps another step: skipped."""
         if not self._steps:
             return
+        self._last_step = time.monotonic()
         started, shape = self._steps.popleft()
         if shape is not None and not self._steps:
             self.cost.observe_prefill(shape[0], shape[1], time.perf_counter() - started)
