@@ -330,24 +330,27 @@ class TierManager(SessionOps):
         operator's ``evict --to nvme`` is carried out as asked)."""
         col = self.index.col
         moves, drops = [], []
+        # the disk just failed a write (full, read-only, gone): keep DRAM turning over instead of
+        # retrying every step; a later demotion tries again
+        disk_failing = by_cost and time.monotonic() < self._nvme_retry_at
         for row in map(int, rows):
             if col["flags"][row] & IN_NVME:  # already on disk: releasing the DRAM copy is enough
                 self._release_dram(row, evicted=True)
                 continue
-            if by_cost and time.monotonic() < self._nvme_retry_at:
-                # the disk just failed a write (full, read-only, gone): keep DRAM turning over
-                # instead of retrying every step; a later demotion tries again
-                self._release_dram(row, evicted=True)
-                self._forget_if_homeless(row)
-                self.counters["dram_dropped_blocks"] += 1
-                self.counters["demote_skipped_nvme_failing_blocks"] += 1
-                continue
-            if by_cost and col["pin"][row] != Tier.NVME and not worth_keeping(int(col["reach"][row]), self.cost, on_nvme=True):
+            drop_because = None
+            if col["pin"][row] == Tier.NVME:  # pinned: never dropped, written even when it won't pay
+                if disk_failing:
+                    continue  # stays in DRAM until the disk takes it
+            elif disk_failing:
+                drop_because = "demote_skipped_nvme_failing_blocks"
+            elif by_cost and not worth_keeping(int(col["reach"][row]), self.cost, on_nvme=True):
                 # restoring it from NVMe would be slower than recomputing it: not worth the write
+                drop_because = "demote_unprofitable_blocks"
+            if drop_because:
                 self._release_dram(row, evicted=True)
                 self._forget_if_homeless(row)
                 self.counters["dram_dropped_blocks"] += 1
-                self.counters["demote_unprofitable_blocks"] += 1
+                self.counters[drop_because] += 1
                 continue
             codec = self.index.codecs[col["dram_codec"][row]]
             to_codec = "" if codec == self.cold_codec else self.cold_codec

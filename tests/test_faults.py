@@ -107,6 +107,32 @@ def test_a_failing_disk_warns_keeps_serving_and_recovers(tmp_path):
     world.close()
 
 
+def test_a_failing_disk_never_drops_a_session_pinned_to_nvme(tmp_path):
+    """While demotions back off from a failing disk, DRAM victims are dropped, but a block pinned
+    to NVMe is never dropped: it stays in DRAM until the disk takes it."""
+    from kvtier.index import IN_NVME, Tier
+
+    world, sessions = _pressure_world(tmp_path)
+    engine, manager = world.engine, world.engine.manager
+    engine.pin("s1", Tier.NVME)
+    tmp_dir = tmp_path / "nvme" / "tmp"
+    shutil.rmtree(tmp_dir)
+    tmp_dir.write_text("not a directory")
+    manager.low = 0.0
+    engine.maintain(force=True)  # fails: the back-off starts
+    assert "nvme" in manager.warnings
+    engine.maintain(force=True)  # inside the back-off: unpinned victims are dropped
+    assert manager.counters["demote_skipped_nvme_failing_blocks"] > 0
+    loaded, wrong = world.load_and_check(sessions[1])
+    assert loaded == 4 and wrong == []  # the pinned session is all still there
+    tmp_dir.unlink()
+    manager._nvme_retry_at = 0.0
+    engine.maintain(force=True)  # the disk works again: the pinned blocks reach it
+    rows = manager.session_rows(manager.session("s1"))
+    assert all(manager.index.col["flags"][r] & IN_NVME for r in rows)
+    world.close()
+
+
 def test_nvme_directory_removed_while_serving_is_recreated(tmp_path):
     from kvtier.index import Tier, chain_block_hashes
 
