@@ -46,10 +46,8 @@ class TierEngine:
         self.nvme = NvmeStore(nvme_dir, nvme_bytes, io_threads, direct_io) if nvme_dir and nvme_bytes else None
         records = self.nvme.scan() if self.nvme is not None else []
         self.manager = TierManager(fingerprint, dram_bytes, nvme_bytes if self.nvme is not None else 0, policy,
-                                   high_watermark, low_watermark, records, warm_codec, cold_codec)
-        if self.nvme is not None and self.nvme.removed_at_scan:
-            self.manager.counters["nvme_removed_at_start"] = self.nvme.removed_at_scan
-            self.manager._warn_bad_nvme_blocks()
+                                   high_watermark, low_watermark, records, warm_codec, cold_codec,
+                                   nvme_removed_at_start=self.nvme.removed_at_scan if self.nvme is not None else 0)
         self.arena = DramArena.for_allocator(self.manager.slots)
         adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
         self.mover = Mover(fingerprint, self.arena, self.nvme, adapter, kv_layers)

@@ -49,7 +49,10 @@ class TierManager(SessionOps):
         nvme_records: Iterable = (),
         warm_codec: str = "none",
         cold_codec: str = "none",
+        nvme_removed_at_start: int = 0,
     ):
+        """``nvme_records``: the blocks an NVMe scan found; ``nvme_removed_at_start``: the damaged
+        files that scan deleted (counted, and a lasting warning)."""
         self.fingerprint = fingerprint
         self.geometry = fingerprint.geometry
         self.warm_codec = resolve_codec(warm_codec, self.geometry, "warm")
@@ -76,6 +79,9 @@ class TierManager(SessionOps):
         self._nvme_backoff = 0.0
         for record in nvme_records:
             self._adopt_nvme_block(record.namespace, record.key, record.nbytes)
+        if nvme_removed_at_start:
+            self.counters["nvme_removed_at_start"] = nvme_removed_at_start
+            self._warn_bad_nvme_blocks()
 
     # ---- small helpers ------------------------------------------------------------------------
     def _new_job(self, kind: JobKind, **fields) -> Job:

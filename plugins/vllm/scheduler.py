@@ -85,7 +85,8 @@ class KVTierScheduler:
         self.block_tokens = fingerprint.geometry.block_tokens
         nvme_dir, nvme_bytes = extra.get("nvme_dir"), int(extra.get("nvme_bytes", 0))
         records, removed = [], 0
-        if nvme_dir and nvme_bytes:
+        cold_dir = nvme_dir if nvme_dir and nvme_bytes else None  # the NVMe tier's dir, when it is on
+        if cold_dir:
             scanner = NvmeStore(nvme_dir, nvme_bytes, io_threads=1, direct=str(extra.get("direct_io", "auto")))
             records = scanner.scan()
             removed = scanner.removed_at_scan
@@ -100,18 +101,16 @@ class KVTierScheduler:
             nvme_records=records,
             warm_codec=str(extra.get("warm_codec", "none")),
             cold_codec=str(extra.get("cold_codec", "none")),
+            nvme_removed_at_start=removed,
         )
-        if removed:
-            self.manager.counters["nvme_removed_at_start"] = removed
-            self.manager._warn_bad_nvme_blocks()
-        self.cost = self._cost_model(extra, nvme_dir if nvme_dir and nvme_bytes else None)
+        self.cost = self._cost_model(extra, cold_dir)
         self.manager.cost = self.cost  # demotion asks it too
         self._stopping = threading.Event()
         self._last_step = 0.0  # monotonic time of the last step start or end: the rate refresher waits for quiet
         refresh_s = float(extra.get("rates_refresh_s", 300))
         if refresh_s > 0 and self._measuring(extra):
-            threading.Thread(target=self._refresh_rates, args=(extra, nvme_dir if nvme_dir and nvme_bytes else None,
-                             refresh_s), name="kvtier-rates", daemon=True).start()
+            threading.Thread(target=self._refresh_rates, args=(extra, cold_dir, refresh_s), name="kvtier-rates",
+                             daemon=True).start()
         self.requests: dict[str, RequestState] = {}
         self._steps: deque = deque()  # (start time, prefill shape or None) of steps in flight
         self._jobs: list[Job] = []  # planned this step, shipped by build_connector_meta
