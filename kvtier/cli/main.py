@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 from typer.core import TyperGroup
 
-from kvtier.cli.output import bench_progress, emit_bench, emit_json, handle_errors, human_bytes, print_table
+from kvtier.cli.output import (bench_progress, emit_bench, emit_json, handle_errors, human_bytes, print_table,
+                               run_vllm_bench)
 
 __all__ = ["app", "main"]
 
@@ -169,12 +170,8 @@ def bench_serve(
     """Real vLLM on the mid demo model: restored vs recomputed TTFT, decode and prefill overhead."""
     from kvtier.plugins.vllm.bench_serve import SERVE_KEYS, run_serve_bench
 
-    import contextlib
-    import sys
-
-    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
-        results = run_serve_bench(quick=quick, progress=bench_progress(json_out))
-    emit_bench("kvtier bench serve", SERVE_KEYS, results, json_out)
+    run_vllm_bench("kvtier bench serve", SERVE_KEYS, lambda progress: run_serve_bench(quick=quick, progress=progress),
+                   json_out)
 
 
 @bench_app.command("codecs")
@@ -201,14 +198,10 @@ def bench_admin(
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Load a real vLLM engine (else an in-process one)."),
 ) -> None:
     """Admin API p99 latency under load, and a fuzz run of malformed requests."""
-    import contextlib
-    import sys
-
     from kvtier.bench.admin import ADMIN_KEYS, run_admin_bench
 
-    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
-        results = run_admin_bench(quick=quick, progress=bench_progress(json_out), vllm=vllm)
-    emit_bench("kvtier bench admin", ADMIN_KEYS, results, json_out)
+    run_vllm_bench("kvtier bench admin", ADMIN_KEYS,
+                   lambda progress: run_admin_bench(quick=quick, progress=progress, vllm=vllm), json_out)
 
 
 @bench_app.command("costmodel")
@@ -219,17 +212,13 @@ def bench_costmodel(
     size: str = typer.Option("tiny", "--size", help="Demo model: tiny or mid (mid: a 16k recompute takes minutes)."),
 ) -> None:
     """Cost-model predictions vs measured TTFT (restore, recompute), and a capped link on real vLLM."""
-    import contextlib
-    import sys
-
     from kvtier.errors import UsageError
     from kvtier.plugins.vllm.bench_costmodel import COSTMODEL_KEYS, run_costmodel_bench
 
     if size not in ("tiny", "mid"):
         raise UsageError(f"unknown --size {size!r}", hint="tiny or mid")
-    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
-        results = run_costmodel_bench(quick=quick, size=size, progress=bench_progress(json_out))
-    emit_bench("kvtier bench costmodel", COSTMODEL_KEYS, results, json_out)
+    run_vllm_bench("kvtier bench costmodel", COSTMODEL_KEYS,
+                   lambda progress: run_costmodel_bench(quick=quick, size=size, progress=progress), json_out)
 
 
 @bench_app.command("faults")
@@ -240,14 +229,10 @@ def bench_faults(
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include load and disk faults against kvtier serve."),
 ) -> None:
     """Crashes (SIGKILL), corruption, DRAM pressure, hostile input, and load with disk faults on real vLLM."""
-    import contextlib
-    import sys
-
     from kvtier.bench.faults import FAULT_KEYS, run_faults_bench
 
-    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
-        results = run_faults_bench(quick=quick, progress=bench_progress(json_out), vllm=vllm)
-    emit_bench("kvtier bench faults", FAULT_KEYS, results, json_out)
+    run_vllm_bench("kvtier bench faults", FAULT_KEYS,
+                   lambda progress: run_faults_bench(quick=quick, progress=progress, vllm=vllm), json_out)
 
 
 @bench_app.command("top")

@@ -61,6 +61,17 @@ def bench_progress(json_out: bool) -> Callable[[str], None]:
     return (lambda _msg: None) if json_out else (lambda msg: typer.echo(f"… {msg}", err=True))
 
 
+def run_vllm_bench(title: str, keys: Sequence[str], run: Callable[[Callable[[str], None]], dict],
+                   json_out: bool) -> None:
+    """Run a benchmark that loads vLLM, ``run(progress)``, then print its figures. vLLM logs to
+    stdout, which is for the results: it goes to stderr meanwhile."""
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):
+        results = run(bench_progress(json_out))
+    emit_bench(title, keys, results, json_out)
+
+
 def emit_bench(title: str, keys: Sequence[str], results: dict, json_out: bool) -> None:
     """A benchmark's figures: exactly ``keys`` as JSON, or a table with the context figures too."""
     if json_out:
