@@ -18,15 +18,10 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app
+from kvtier.plugins.vllm.bench_faults import free_port
 
 runner = CliRunner()
 GiB = 2**30
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

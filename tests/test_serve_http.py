@@ -3,21 +3,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
 
 import pytest
 
+from kvtier.plugins.vllm.bench_faults import free_port
+
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 240) -> None:

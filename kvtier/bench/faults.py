@@ -230,7 +230,6 @@ def _crash_child(root: str, seed: int, fd: int) -> None:
 
 def _verify_after_restart(root: Path, acked_nvme: set[bytes], acked_snaps: set[str], check_snaps: list[Path],
                           out: dict) -> None:
-    from kvtier.index import chain_block_hashes  # noqa: F401  (imported for symmetry with the child)
     from kvtier.snapshot import open_snapshot, remove_stale_temp_files, verify_snapshot
 
     world = World(root)  # a restart: scans the NVMe directory, deletes leftover temp files
@@ -471,6 +470,7 @@ def run_corruption_trials(trials: int = 1000, seed: int = 0, directory: Path | N
             if kind == "snapshot":  # the restore must read the snapshot: the tiers start empty
                 shutil.rmtree(work / "nvme")
             world = World(work)
+            detail = ""
             try:
                 if kind == "block":
                     key = bytes.fromhex(target.name.split(".")[0])
@@ -499,7 +499,7 @@ def run_corruption_trials(trials: int = 1000, seed: int = 0, directory: Path | N
             finally:
                 world.close()
             if os.environ.get("KVTIER_FAULTS_DEBUG") and not caught:
-                print(kind, fault, what, "harmless" if harmless else "NOT CAUGHT", locals().get("detail", ""))
+                print(kind, fault, what, "harmless" if harmless else "NOT CAUGHT", detail)
             out["corruption_trials"] += 1
             out["corrupt_loads"] += len(wrong)
             out["detected"] += caught
@@ -651,7 +651,7 @@ def run_hostile(examples: int = 600, directory: Path | None = None, progress: Ca
     """Hostile input at every door: the admin API, snapshot files, session ids, other models' blocks."""
     from kvtier.bench.admin import run_fuzz
     from kvtier.errors import KvtierError
-    from kvtier.index import chain_block_hashes, namespace_of, validate_session_id
+    from kvtier.index import Tier, chain_block_hashes, namespace_of, validate_session_id
     from kvtier.snapshot import open_snapshot
 
     out = {"hostile_inputs": 0, "hostile_crashes": 0, "hostile_accepted": 0, "served_across_models": 0,
@@ -692,7 +692,7 @@ def run_hostile(examples: int = 600, directory: Path | None = None, progress: Ca
             keys = chain_block_hashes(_tokens(77, 4), SHAPE[3])
             world.put(keys, range(4))
             world.engine.store("tenant-a", world.ns, keys, [0, 1, 2, 3])
-            world.engine.evict("tenant-a", __import__("kvtier.index", fromlist=["Tier"]).Tier.NVME)
+            world.engine.evict("tenant-a", Tier.NVME)
             salted = namespace_of(world.fingerprint.digest, "tenant-b-salt")
             out["hostile_inputs"] += 1
             out["served_across_tenants"] += world.engine.load(salted, keys, [8, 9, 10, 11])
@@ -737,7 +737,7 @@ def run_faults_bench(quick: bool = False, progress: Callable[[str], None] = prin
         hostile_inputs=hostile["hostile_inputs"],
         hostile_crashes=hostile["hostile_crashes"],
     )
-    results["_crash"] = {k: v for k, v in crash.items()}
+    results["_crash"] = crash
     results["_corruption"] = corruption
     results["_pressure"] = pressure
     results["_hostile"] = hostile

@@ -32,14 +32,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["run_serving_faults", "wait_ready"]
+__all__ = ["free_port", "run_serving_faults", "wait_ready"]
 
 TMPFS_MB = 256
 WORDS = ("alpha beta gamma delta kernel cache block tier session token layer head vector matrix "
          "page disk link queue shard model prompt").split()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -210,7 +211,7 @@ def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = pr
         vllm_args = ["--max-model-len", "4096", "--enforce-eager", "--served-model-name", "tiny", "--max-num-seqs", "1"]
 
         # 1. the reference: plain vLLM, same conversations, same concurrency
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         log = tmp / "plain.log"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
@@ -226,7 +227,7 @@ def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = pr
             raise RuntimeError(f"the reference server failed requests: {ref_failures[:3]}")
 
         # 2. kvtier serve, its NVMe tier on a private tmpfs
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         mount = tmp / "disk"
         mount.mkdir()
