@@ -76,6 +76,15 @@ def test_bench_tiers_refuses_a_missing_directory(tmp_path):
     assert "error:" in result.stderr
 
 
+def test_bench_costmodel_refuses_an_unknown_model_size():
+    """Refused before any model is built or vLLM loaded: one error line, one hint line."""
+    result = runner.invoke(app, ["bench", "costmodel", "--size", "huge"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("error: ") and "huge" in lines[0]
+    assert lines[1].startswith("hint: ") and "tiny or mid" in lines[1]
+
+
 def test_config_show_reports_sources(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "kvtier.toml").write_text('policy = "arc"\n')
