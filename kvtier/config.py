@@ -37,6 +37,7 @@ __all__ = [
     "ENV_PREFIX",
     "POLICIES",
     "DIRECT_IO_MODES",
+    "write_behind_seconds",
 ]
 
 ENV_PREFIX = "KVTIER_"
@@ -77,11 +78,28 @@ class Settings:
     warm_codec: str = "none"
     cold_codec: str = "none"
     link_gbps: str = ""  # caps on measured link rates for the cost model, e.g. "pcie=3.9,nvme=1.5" (GB/s)
+    write_behind: str = "10"  # seconds a DRAM-only block may wait for its NVMe copy, or "off"
+    stop_timeout: float = 60.0  # kvtier serve: seconds the flush on stop may take before vLLM stops anyway
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 _KINDS = {name: hint.__name__ for name, hint in get_type_hints(Settings).items()}
 _KIND_WORDS = {"int": "a whole number", "float": "a number", "str": "a string"}
+
+
+def write_behind_seconds(text: str | float | int | None) -> float | None:
+    """``"10"`` -> 10.0, ``"2.5s"`` -> 2.5, ``"off"`` -> None (no write-behind)."""
+    value = str(text if text is not None else "off").strip().lower().removesuffix("s")
+    if value in ("off", "no", "false", "none", "of"):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"invalid write_behind {text!r}",
+                          hint="seconds a DRAM-only block may wait for its NVMe copy (e.g. 10), or off") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"invalid write_behind {text!r}: must be 0 or more seconds", hint="e.g. 10, or off")
+    return seconds
 
 
 def parse_size(text: str | int | float) -> int:
@@ -152,6 +170,13 @@ def validate_settings(settings: Settings, sources: Mapping[str, str] | None = No
              "e.g. low_watermark = 0.75 with high_watermark = 0.90")
     if not 1 <= settings.io_threads <= 64:
         fail("io_threads", "must be between 1 and 64", "use e.g. io_threads = 4")
+    try:
+        write_behind_seconds(settings.write_behind)
+    except ConfigError as exc:
+        fail("write_behind", exc.message.split(": ", 1)[-1] if ": " in exc.message else "unknown value",
+             exc.hint or "e.g. 10, or off")
+    if not 0 <= settings.stop_timeout <= 86400:
+        fail("stop_timeout", "must be between 0 and 86400 seconds", "e.g. stop_timeout = 60")
     for name in _PATH_FIELDS + ("warm_codec", "cold_codec"):
         if not getattr(settings, name):
             fail(name, "must not be empty", f"set {name} or leave it unset for the default")

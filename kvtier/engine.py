@@ -2,7 +2,9 @@
 
 This is what the tests, the benchmarks and the scripted demo drive, and what an in-process vLLM
 engine amounts to. Each call plans with the manager, runs the job on the mover and completes it,
-so when a call returns its effect is durable (for NVMe) and visible.
+so when a call returns its effect is durable (for NVMe) and visible. With an NVMe tier the session
+catalog is written after each operator action and on ``close``; ``write_behind`` is the worker's
+background durability step, run on demand here.
 """
 from __future__ import annotations
 
@@ -41,13 +43,20 @@ class TierEngine:
         low_watermark: float = 0.75,
         warm_codec: str = "none",
         cold_codec: str = "none",
+        catalog: bool = True,
     ):
         self.fingerprint = fingerprint
         self.nvme = NvmeStore(nvme_dir, nvme_bytes, io_threads, direct_io) if nvme_dir and nvme_bytes else None
         records = self.nvme.scan() if self.nvme is not None else []
+        self.catalog = None
+        if catalog and self.nvme is not None:
+            from kvtier.catalog import Catalog
+
+            self.catalog = Catalog(nvme_dir, fingerprint)
         self.manager = TierManager(fingerprint, dram_bytes, nvme_bytes if self.nvme is not None else 0, policy,
                                    high_watermark, low_watermark, records, warm_codec, cold_codec,
-                                   nvme_removed_at_start=self.nvme.removed_at_scan if self.nvme is not None else 0)
+                                   nvme_removed_at_start=self.nvme.removed_at_scan if self.nvme is not None else 0,
+                                   catalog=self.catalog)
         self.arena = DramArena.for_allocator(self.manager.slots)
         adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
         self.mover = Mover(fingerprint, self.arena, self.nvme, adapter, kv_layers)
@@ -60,7 +69,8 @@ class TierEngine:
                    warm_codec=settings.warm_codec, cold_codec=settings.cold_codec, **kwargs)
 
     def execute(self, job: Job | None) -> JobResult | None:
-        if job is None:
+        if job is None:  # slots freed without a job (a drop of DRAM-only blocks) are forgotten too
+            self.mover.forget_slots(self.manager.slots.drain_freed())
             return None
         result = self.mover.run(job)
         self.manager.complete(result)
@@ -88,6 +98,8 @@ class TierEngine:
             self.maintain(force=self.manager.slots.free_slots == 0)
             if self.manager.slots.free_slots <= before:  # no room could be made: store no more
                 break
+        if self.manager.sessions[session_id].pinned is not None and self.nvme is not None:
+            self.execute(self.manager.flush(session_id))  # a pinned session is written through
         return stored
 
     def load(self, namespace: bytes, keys: Sequence[bytes], device_blocks: Sequence[int]) -> int:
@@ -104,12 +116,27 @@ class TierEngine:
     # ---- operator actions ---------------------------------------------------------------------
     def pin(self, session_id: str, tier: Tier = Tier.DRAM) -> None:
         self.execute(self.manager.pin(session_id, tier))
+        self.maintain()
+        self.manager.sync_catalog()
 
     def unpin(self, session_id: str) -> None:
         self.manager.unpin(session_id)
+        self.manager.sync_catalog()
 
     def evict(self, session_id: str, to: Tier | None) -> None:
         self.execute(self.manager.evict(session_id, to))
+        self.manager.sync_catalog()
+
+    def flush(self, session_id: str | None = None) -> JobResult | None:
+        """Copy DRAM-only blocks (all, or one session's) to NVMe now."""
+        return self.execute(self.manager.flush(session_id))
+
+    def write_behind(self, max_age_s: float = 0.0, max_blocks: int = 1 << 30) -> int:
+        """The worker's write-behind step: DRAM-only blocks at least ``max_age_s`` old get an NVMe
+        copy. Returns how many were written."""
+        written = self.mover.write_behind(max_age_s, max_blocks, self.manager.cold_codec)
+        self.execute(self.manager.note_written_behind(written))
+        return len(written)
 
     def snapshot(self, session_id: str, path: str | Path) -> JobResult:
         return self.execute(self.manager.prepare_snapshot(session_id, str(path)))
@@ -117,7 +144,9 @@ class TierEngine:
     def restore(self, path: str | Path, tier: Tier = Tier.DRAM) -> JobResult | None:
         from kvtier.snapshot import open_snapshot
 
-        return self.execute(self.manager.prepare_restore(open_snapshot(path), tier))
+        result = self.execute(self.manager.prepare_restore(open_snapshot(path), tier))
+        self.manager.sync_catalog()
+        return result
 
     def close(self, write_back: bool = True) -> None:
         """Stop; with ``write_back``, DRAM-only blocks go to the NVMe tier first (a restart finds them)."""
@@ -125,5 +154,8 @@ class TierEngine:
         if write_back:
             self.mover.forget_slots(self.manager.slots.drain_freed())
             self.mover.write_back(self.manager.cold_codec)
+        if self.catalog is not None:
+            self.manager.sync_catalog()
+            self.catalog.close()
         if self.nvme is not None:
             self.nvme.close()

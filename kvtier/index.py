@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Iterable, Sequence
 
@@ -90,17 +89,65 @@ def validate_session_id(session_id: str) -> str:
     return session_id
 
 
-@dataclass
 class Session:
-    """One conversation's KV: its ordered block keys and how it is held."""
+    """One conversation's KV: its ordered block keys, the token ids they cover, and how it is held.
 
-    session_id: str
-    namespace: bytes
-    keys: list[bytes] = field(default_factory=list)
-    num_tokens: int = 0
-    last_use: float = field(default_factory=time.time)
-    pinned: Tier | None = None
-    hot: bool = False  # vLLM holds it in HBM (reported by the connector)
+    ``keys`` of a session read back from the catalog stay one bytes object until first used, so a
+    restart with 100k sessions does not split millions of keys up front.
+    """
+
+    __slots__ = ("session_id", "namespace", "_keys", "_blob", "_key_len", "num_tokens", "last_use", "created",
+                 "pinned", "hot", "token_ids", "tokens_dirty")
+
+    def __init__(self, session_id: str, namespace: bytes, keys: list[bytes] | None = None, num_tokens: int = 0,
+                 last_use: float | None = None, pinned: "Tier | None" = None, hot: bool = False,
+                 created: float | None = None):
+        self.session_id = session_id
+        self.namespace = namespace
+        self._keys: list[bytes] | None = list(keys) if keys is not None else []
+        self._blob, self._key_len = b"", 0
+        self.num_tokens = num_tokens
+        self.last_use = time.time() if last_use is None else last_use
+        self.created = self.last_use if created is None else created
+        self.pinned = pinned
+        self.hot = hot  # vLLM holds it in HBM (reported by the connector)
+        self.token_ids = None  # numpy uint32 of the tokens its full blocks cover (None: not known here)
+        self.tokens_dirty = False  # token_ids changed since the catalog last saved them
+
+    @classmethod
+    def from_blob(cls, session_id: str, namespace: bytes, blob: bytes, key_len: int, **fields) -> "Session":
+        session = cls(session_id, namespace, **fields)
+        session._keys, session._blob, session._key_len = None, blob, key_len
+        return session
+
+    @property
+    def keys(self) -> list[bytes]:
+        if self._keys is None:
+            blob, n = self._blob, self._key_len
+            self._keys = [blob[i : i + n] for i in range(0, len(blob), n)]
+            self._blob = b""
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: list[bytes]) -> None:
+        self._keys, self._blob = value, b""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._keys) if self._keys is not None else len(self._blob) // self._key_len
+
+    def keys_blob(self) -> tuple[bytes, int]:
+        """(the keys concatenated, their common length); length 0 if they differ in length."""
+        if self._keys is None:
+            return self._blob, self._key_len
+        keys = self._keys
+        if not keys:
+            return b"", 32
+        n = len(keys[0])
+        return (b"".join(keys), n) if all(len(k) == n for k in keys) else (b"", 0)
+
+    def __repr__(self) -> str:
+        return f"Session({self.session_id!r}, blocks={self.num_blocks}, tokens={self.num_tokens}, pinned={self.pinned})"
 
 
 class BlockIndex:
@@ -118,6 +165,7 @@ class BlockIndex:
         "ns": np.uint16,
         "last_use": np.uint64,
         "reach": np.uint32,  # tokens of the longest stored prefix through this block (0: unknown)
+        "dirty_since": np.float32,  # monotonic seconds since the index's epoch when its DRAM copy was made
     }
 
     def __init__(self, capacity: int = 1024):
@@ -131,6 +179,16 @@ class BlockIndex:
         self.added = 0  # rows ever added / removed: lets callers cache key -> row lookups
         self.removed = 0
         self.codecs: list[str] = ["none"]  # codec id -> name, shared by both tiers
+        self.epoch = time.monotonic()  # dirty_since counts from here
+
+    def now(self) -> float:
+        """Seconds since the index's epoch (the unit of ``dirty_since``)."""
+        return time.monotonic() - self.epoch
+
+    def dirty_rows(self) -> np.ndarray:
+        """Complete DRAM blocks with no NVMe copy: what a crash would lose."""
+        flags = self.col["flags"][: len(self._keys)]
+        return np.flatnonzero((flags & (IN_DRAM | IN_NVME | PENDING)) == IN_DRAM)
 
     # ---- rows -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -172,7 +230,7 @@ class BlockIndex:
             self._keys.append(key)
         ns_id = self._ns_id(namespace)
         self._maps[namespace][key] = row
-        for name in ("dram_nbytes", "nvme_nbytes", "dram_codec", "nvme_codec", "refs", "pin", "reach"):
+        for name in ("dram_nbytes", "nvme_nbytes", "dram_codec", "nvme_codec", "refs", "pin", "reach", "dirty_since"):
             self.col[name][row] = 0
         self.col["dram_slot"][row] = NO_SLOT
         self.col["flags"][row] = flags

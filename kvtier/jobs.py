@@ -16,6 +16,7 @@ class JobKind(str, Enum):
     STORE = "store"  # HBM -> DRAM (write-through of newly computed blocks)
     LOAD = "load"  # DRAM (and NVMe via DRAM) -> HBM
     DEMOTE = "demote"  # DRAM -> NVMe
+    FLUSH = "flush"  # DRAM -> NVMe, keeping the DRAM copy (durability: pins, kvtier flush)
     PROMOTE = "promote"  # NVMe -> DRAM
     DROP = "drop"  # delete NVMe copies
     SNAPSHOT = "snapshot"  # DRAM/NVMe -> snapshot file
@@ -38,6 +39,7 @@ class BlockMove:
     device_block: int = -1  # vLLM block id in HBM for stores and loads
     from_nvme: bool = False  # loads: read from NVMe into dram_slot first
     to_nvme: bool = False  # restores: write straight to NVMe instead of DRAM
+    durable: bool = False  # stores: the worker writes the block behind to NVMe at once (pinned sessions)
 
 
 @dataclass(slots=True)

@@ -122,11 +122,15 @@ class ModelFingerprint:
 
     model_id: str
     geometry: KVGeometry
+    weights: str = ""  # kvtier.weights.weights_identity of the served weights ("" when unknown)
 
     @property
     def digest(self) -> bytes:
-        """16-byte identity of (model, geometry, dtype)."""
-        canonical = json.dumps({"model": self.model_id, **self.geometry.to_dict()}, sort_keys=True)
+        """16-byte identity of (model, weights, geometry, dtype)."""
+        fields = {"model": self.model_id, **self.geometry.to_dict()}
+        if self.weights:
+            fields["weights"] = self.weights
+        canonical = json.dumps(fields, sort_keys=True)
         return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
 
     @property
@@ -134,11 +138,13 @@ class ModelFingerprint:
         return self.digest.hex()
 
     def to_dict(self) -> dict:
-        return {"model_id": self.model_id, "geometry": self.geometry.to_dict(), "digest": self.hex}
+        return {"model_id": self.model_id, "weights": self.weights, "geometry": self.geometry.to_dict(),
+                "digest": self.hex}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelFingerprint":
-        return cls(model_id=data["model_id"], geometry=KVGeometry.from_dict(data["geometry"]))
+        return cls(model_id=data["model_id"], geometry=KVGeometry.from_dict(data["geometry"]),
+                   weights=str(data.get("weights") or ""))
 
 
 def k_view(block: "torch.Tensor") -> "torch.Tensor":

@@ -16,10 +16,11 @@ fits and skips the rest: normal pressure, not an error; vLLM recomputes what was
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from kvtier.manager_ops import SessionOps
 from kvtier.policy import make_policy
 from kvtier.tiers.dram import SlotAllocator
 from kvtier.tiers.nvme import file_bytes_for
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.catalog import Catalog
 
 __all__ = ["TierManager"]
 
@@ -50,9 +54,11 @@ class TierManager(SessionOps):
         warm_codec: str = "none",
         cold_codec: str = "none",
         nvme_removed_at_start: int = 0,
+        catalog: "Catalog | None" = None,
     ):
         """``nvme_records``: the blocks an NVMe scan found; ``nvme_removed_at_start``: the damaged
-        files that scan deleted (counted, and a lasting warning)."""
+        files that scan deleted (counted, and a lasting warning); ``catalog``: the session catalog
+        to read sessions back from and to keep up to date (``sync_catalog``)."""
         self.fingerprint = fingerprint
         self.geometry = fingerprint.geometry
         self.warm_codec = resolve_codec(warm_codec, self.geometry, "warm")
@@ -70,6 +76,7 @@ class TierManager(SessionOps):
             Tier.NVME: make_policy(policy, max(1, self.nvme_capacity // per_block)),
         }
         self.jobs: dict[int, Job] = {}
+        self.queued: list[Job] = []  # planned jobs that ship with the next maintenance
         self._job_ids = itertools.count(1)
         self._nvme_used = 0  # bytes on NVMe plus bytes reserved by unfinished demotions
         self.counters: Counter[str] = Counter()
@@ -82,6 +89,11 @@ class TierManager(SessionOps):
         if nvme_removed_at_start:
             self.counters["nvme_removed_at_start"] = nvme_removed_at_start
             self._warn_bad_nvme_blocks()
+        self.catalog = catalog
+        self._catalog_dirty: set[str] = set()  # sessions changed since the last sync_catalog
+        self._catalog_gone: set[str] = set()  # sessions dropped since then
+        if catalog is not None:
+            self._read_catalog(catalog)
 
     # ---- small helpers ------------------------------------------------------------------------
     def _new_job(self, kind: JobKind, **fields) -> Job:
@@ -129,21 +141,134 @@ class TierManager(SessionOps):
             self.policies[Tier.NVME].on_access(rows[~in_dram])
         return rows.tolist()
 
-    def record_session(self, session_id: str, namespace: bytes, keys: Sequence[bytes], num_tokens: int) -> Session:
-        """Note the latest prompt of a session (its blocks, in order)."""
+    def record_session(self, session_id: str, namespace: bytes, keys: Sequence[bytes], num_tokens: int,
+                       token_ids: Sequence[int] | None = None) -> Session:
+        """Note the latest prompt of a session (its blocks, in order, and the token ids they cover)."""
         validate_session_id(session_id)
         session = self.sessions.get(session_id)
         if session is None:
             session = self.sessions[session_id] = Session(session_id, namespace)
-        if len(keys) >= len(session.keys):
+        old = session.keys
+        if len(keys) >= len(old):
+            grows = not old or (len(keys) >= len(old) and keys[len(old) - 1] == old[-1])
             session.keys = list(keys)
+            if token_ids is not None:
+                self._record_tokens(session, token_ids, extends=grows)
         session.num_tokens = max(num_tokens, len(session.keys) * self.geometry.block_tokens)
         session.last_use = time.time()
+        self._catalog_dirty.add(session_id)
         rows = self.session_row_array(session)
         if len(rows):  # every stored block of the session is on a prefix at least this long
             reach = self.index.col["reach"]
             reach[rows] = np.maximum(reach[rows], min(session.num_tokens, 0xFFFFFFFF))
         return session
+
+    def _record_tokens(self, session: Session, token_ids: Sequence[int], extends: bool) -> None:
+        """Keep the token ids of the session's full blocks (appending only the new ones as it grows)."""
+        wanted = len(session.keys) * self.geometry.block_tokens
+        have = session.token_ids
+        if have is not None and extends and len(have) >= wanted:
+            return
+        start = len(have) if have is not None and extends else 0
+        if len(token_ids) < wanted:  # the caller knows fewer tokens than its blocks cover: keep what we had
+            return
+        new = np.asarray(token_ids[start:wanted], dtype=np.uint32)
+        session.token_ids = new if start == 0 else np.concatenate([have, new])
+        session.tokens_dirty = True
+
+    def session_tokens(self, session: Session) -> np.ndarray | None:
+        """The token ids of the session's full blocks: held in memory, else read from the catalog."""
+        if session.token_ids is None and self.catalog is not None:
+            from kvtier.catalog import decode_tokens
+
+            data = self.catalog.token_ids(session.session_id)
+            if data is not None:
+                session.token_ids = decode_tokens(data)
+        return session.token_ids
+
+    # ---- the session catalog ------------------------------------------------------------------
+    def _read_catalog(self, catalog: "Catalog") -> None:
+        """Sessions of an earlier run: listed at once (cold where their blocks are on NVMe), pins kept."""
+        started = time.perf_counter()
+        records = catalog.load()
+        for record in records:
+            try:
+                validate_session_id(record.session_id)
+                pinned = Tier(record.pinned) if record.pinned is not None else None
+            except (UsageError, ValueError):
+                catalog.bad_rows += 1
+                continue
+            self.sessions[record.session_id] = Session.from_blob(
+                record.session_id, record.namespace, record.keys, record.key_len, num_tokens=record.num_tokens,
+                last_use=record.last_use, created=record.created, pinned=pinned)
+        pin = self.index.col["pin"]
+        for session in self.sessions.values():  # a block takes the hottest pin of the sessions holding it
+            if session.pinned is not None:
+                rows = self.session_row_array(session)
+                pin[rows] = np.where(pin[rows] == 0, session.pinned, np.minimum(pin[rows], session.pinned))
+        for message in catalog.warnings:
+            self.warnings["catalog"] = message
+        self.counters["catalog_sessions_at_start"] = len(self.sessions)
+        self.counters["catalog_start_ms"] = int((time.perf_counter() - started) * 1000)
+
+    def catalog_batch(self) -> tuple[list, list[str]]:
+        """The catalog rows of the sessions changed since the last call (call under the engine's
+        lock; the write itself, ``write_catalog``, needs no lock)."""
+        from kvtier.catalog import SessionRecord, encode_tokens
+
+        dirty, gone = self._catalog_dirty, self._catalog_gone
+        self._catalog_dirty, self._catalog_gone = set(), set()
+        upserts = []
+        for session_id in dirty:
+            session = self.sessions.get(session_id)
+            if session is None:
+                continue
+            blob, key_len = session.keys_blob()
+            if not key_len:
+                continue  # keys of mixed lengths: not a vLLM session; nothing to persist
+            tokens = None
+            if session.tokens_dirty and session.token_ids is not None:
+                tokens = encode_tokens(session.token_ids)
+                session.tokens_dirty = False
+            upserts.append(SessionRecord(session_id, session.namespace, blob, key_len, int(session.num_tokens),
+                                         None if session.pinned is None else int(session.pinned),
+                                         float(session.created), float(session.last_use), tokens))
+        return upserts, sorted(gone - dirty)
+
+    def write_catalog(self, batch: tuple[list, list[str]], lock=None) -> bool:
+        """Write one ``catalog_batch`` (a failed write keeps its sessions for the next try). The
+        write runs outside ``lock``; the bookkeeping after it inside."""
+        upserts, deletes = batch
+        if self.catalog is None or (not upserts and not deletes):
+            return True
+        try:
+            self.catalog.write(upserts, deletes)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - a full or failing disk must not stop serving
+            error = exc
+        with lock if lock is not None else contextlib.nullcontext():
+            return self._catalog_written(upserts, deletes, error)
+
+    def _catalog_written(self, upserts: list, deletes: list[str], exc: Exception | None) -> bool:
+        if exc is not None:
+            for record in upserts:
+                self._catalog_dirty.add(record.session_id)
+                session = self.sessions.get(record.session_id)
+                if record.token_ids is not None and session is not None:
+                    session.tokens_dirty = True
+            self._catalog_gone.update(deletes)
+            self.warnings["catalog"] = f"the session catalog could not be written ({exc}); retrying"
+            self.counters["catalog_write_failures"] += 1
+            return False
+        if self.warnings.get("catalog", "").startswith("the session catalog could not be written"):
+            del self.warnings["catalog"]
+        self.counters["catalog_writes"] += 1
+        self.counters["catalog_rows_written"] += len(upserts)
+        return True
+
+    def sync_catalog(self) -> bool:
+        """Batch and write in one call (single-threaded users: the in-process engine, tests)."""
+        return self.write_catalog(self.catalog_batch())
 
     def session(self, session_id: str) -> Session:
         validate_session_id(session_id)
@@ -210,6 +335,8 @@ class TierManager(SessionOps):
         """
         moves = []
         codec = get_codec(self.warm_codec)
+        session = self.sessions.get(session_id)
+        durable = session is not None and session.pinned is not None and self.nvme_capacity > 0
         for position, (key, device_block) in enumerate(zip(keys, device_blocks), start):
             row = self.index.row_of(namespace, key)
             if row is not None:
@@ -224,7 +351,8 @@ class TierManager(SessionOps):
             self.index.col["dram_slot"][row] = slot
             self.index.col["reach"][row] = (start + len(keys)) * self.geometry.block_tokens
             moves.append(self._move(row, dram_slot=slot, nbytes=codec.nbytes_for(self.geometry, first) or 0,
-                                    device_block=device_block, codec=self.warm_codec, first=first))
+                                    device_block=device_block, codec=self.warm_codec, first=first,
+                                    durable=durable))
         if not moves:
             return None
         return self._new_job(JobKind.STORE, moves=moves, session_id=session_id)
@@ -232,6 +360,9 @@ class TierManager(SessionOps):
     def _complete_store(self, job: Job, result: JobResult) -> None:
         col = self.index.col
         failed = self._failed_positions(job, result)
+        session = self.sessions.get(job.session_id) if job.session_id else None
+        pinned = session.pinned if session is not None else None
+        now = self.index.now()
         for i, move in enumerate(job.moves):
             row = move.row
             if i in failed:
@@ -242,6 +373,9 @@ class TierManager(SessionOps):
             col["flags"][row] &= ~np.uint8(PENDING)
             col["dram_nbytes"][row] = move.nbytes
             col["dram_codec"][row] = self.index.codec_id(move.codec)
+            col["dirty_since"][row] = now
+            if pinned is not None:  # a pinned session's new blocks are pinned too
+                col["pin"][row] = pinned if col["pin"][row] == 0 else min(int(col["pin"][row]), pinned)
             self.policies[Tier.DRAM].on_insert(row, (move.namespace, move.key))
             self.counters["stored_blocks"] += 1
 
@@ -324,16 +458,19 @@ class TierManager(SessionOps):
         NVMe room for the demoted blocks is made inside, by dropping NVMe victims past its own
         high watermark.
         """
+        queued, self.queued = self.queued, []
         if self.slots.used_slots <= self.high * self.slots.num_slots and not force:
-            return []
+            return queued
         target = int(self.low * self.slots.num_slots)
         order = self.policies[Tier.DRAM].order(self.index, self.index.candidates(Tier.DRAM))
         need = self.slots.used_slots - target
-        return [job for job in [self._demote_rows(order[:need])] if job is not None]
+        return queued + [job for job in [self._demote_rows(order[:need])] if job is not None]
 
-    def _demote_rows(self, rows: Iterable[int], by_cost: bool = True) -> Job | None:
+    def _demote_rows(self, rows: Iterable[int], by_cost: bool = True, keep_dram: bool = False,
+                     session_id: str | None = None) -> Job | None:
         """Demote DRAM blocks to NVMe (``by_cost``: drop those not worth a disk write; an
-        operator's ``evict --to nvme`` is carried out as asked)."""
+        operator's ``evict --to nvme`` is carried out as asked). ``keep_dram``: copy them to NVMe
+        and keep them in DRAM (a FLUSH job: durability, never pressure)."""
         col = self.index.col
         moves, drops = [], []
         # the disk just failed a write (full, read-only, gone): keep DRAM turning over instead of
@@ -341,7 +478,8 @@ class TierManager(SessionOps):
         disk_failing = by_cost and time.monotonic() < self._nvme_retry_at
         for row in map(int, rows):
             if col["flags"][row] & IN_NVME:  # already on disk: releasing the DRAM copy is enough
-                self._release_dram(row, evicted=True)
+                if not keep_dram:
+                    self._release_dram(row, evicted=True)
                 continue
             drop_because = None
             if col["pin"][row] == Tier.NVME:  # pinned: never dropped, written even when it won't pay
@@ -367,13 +505,71 @@ class TierManager(SessionOps):
                 self.index.ref([row], +1)
                 moves.append(self._move(row, dram_slot=int(col["dram_slot"][row]), nbytes=nbytes, codec=codec,
                                         to_codec=to_codec, first=bool(col["flags"][row] & FIRST), reserved=size))
+            elif keep_dram:  # a flush that finds no room keeps the block where it is
+                self.counters["flush_no_room_blocks"] += 1
             else:  # nowhere colder to keep it: let it go, vLLM recomputes it if it comes back
                 self._release_dram(row, evicted=True)
                 self._forget_if_homeless(row)
                 self.counters["dram_dropped_blocks"] += 1
         if not moves and not drops:
             return None
-        return self._new_job(JobKind.DEMOTE, moves=moves, drops=drops)
+        return self._new_job(JobKind.FLUSH if keep_dram else JobKind.DEMOTE, moves=moves, drops=drops,
+                             session_id=session_id)
+
+    # ---- durability ---------------------------------------------------------------------------
+    def flush(self, session_id: str | None = None) -> Job | None:
+        """A FLUSH job copying DRAM-only blocks (all, or one session's) to NVMe, keeping them in DRAM."""
+        if not self.nvme_capacity:
+            raise UsageError("no NVMe tier is configured: there is nowhere to flush to",
+                             hint="start kvtier serve with --nvme-dir and --nvme")
+        if session_id is None:
+            rows = self.index.dirty_rows()
+        else:
+            flags = self.index.col["flags"]
+            rows = [r for r in self.session_rows(self.session(session_id))
+                    if flags[r] & (IN_DRAM | IN_NVME | PENDING) == IN_DRAM]
+        order = np.argsort(self.index.col["dirty_since"][rows], kind="stable") if len(rows) else []
+        return self._demote_rows(np.asarray(rows)[order], by_cost=False, keep_dram=True, session_id=session_id)
+
+    def dirty_stats(self) -> dict[str, float]:
+        """What a crash would lose now: DRAM-only blocks, their bytes, and the oldest one's age (s)."""
+        rows = self.index.dirty_rows()
+        if not len(rows):
+            return {"dirty_blocks": 0, "dirty_bytes": 0, "dirty_age_s": 0.0}
+        col = self.index.col
+        return {"dirty_blocks": int(len(rows)), "dirty_bytes": int(col["dram_nbytes"][rows].sum()),
+                "dirty_age_s": round(max(0.0, self.index.now() - float(col["dirty_since"][rows].min())), 3)}
+
+    def note_written_behind(self, records: Iterable[tuple[bytes, bytes, int, str]]) -> Job | None:
+        """The worker wrote these DRAM blocks to NVMe on its own (write-behind): they are clean now.
+
+        A block the manager forgot meanwhile (dropped, evicted) had its file written too late: a DROP
+        job deletes it, so a dropped session stays dropped.
+        """
+        col = self.index.col
+        drops = []
+        records = list(records)
+        for namespace, key, nbytes, codec in records:
+            row = self.index.row_of(namespace, key)
+            if row is None or not col["flags"][row] & IN_DRAM:
+                if row is None or not col["flags"][row] & IN_NVME:
+                    drops.append(BlockMove(row=-1, namespace=namespace, key=key, nbytes=int(nbytes)))
+                continue
+            if col["flags"][row] & IN_NVME:
+                continue  # a demotion or flush wrote it too
+            col["flags"][row] |= IN_NVME
+            col["nvme_nbytes"][row] = nbytes
+            col["nvme_codec"][row] = self.index.codec_id(codec)
+            self._nvme_used += file_bytes_for(int(nbytes))
+            self.policies[Tier.NVME].on_insert(row, (namespace, key))
+            self.counters["written_behind_blocks"] += 1
+        if records and "nvme" in self.warnings:  # the disk takes writes again
+            self.warnings.pop("nvme", None)
+            self._nvme_backoff = 0.0
+        if drops:
+            self.counters["written_behind_dropped"] += len(drops)
+            return self._new_job(JobKind.DROP, drops=drops)
+        return None
 
     def _make_nvme_room(self, size: int, drops: list[BlockMove]) -> bool:
         """Drop NVMe victims (into ``drops``) so ``size`` more bytes fit under the high watermark."""
@@ -392,6 +588,7 @@ class TierManager(SessionOps):
     def _complete_demote(self, job: Job, result: JobResult) -> None:
         col = self.index.col
         failed = self._failed_positions(job, result)
+        keep = job.kind == JobKind.FLUSH
         for i, move in enumerate(job.moves):
             row = move.row
             self.index.ref([row], -1)
@@ -399,11 +596,19 @@ class TierManager(SessionOps):
                 self._nvme_used -= move.reserved
                 self.counters["demote_failed_blocks"] += 1
                 continue
+            if col["flags"][row] & IN_NVME:  # written behind meanwhile: already counted
+                self._nvme_used -= move.reserved
+                if col["flags"][row] & IN_DRAM and not keep and col["pin"][row] != Tier.DRAM:
+                    self._release_dram(row, evicted=True)
+                continue
             self._nvme_used += file_bytes_for(move.nbytes) - move.reserved  # the codec's real size
             col["flags"][row] |= IN_NVME
             col["nvme_nbytes"][row] = move.nbytes
             col["nvme_codec"][row] = self.index.codec_id(move.codec)
             self.policies[Tier.NVME].on_insert(row, (move.namespace, move.key))
+            if keep:
+                self.counters["flushed_blocks"] += 1
+                continue
             if col["flags"][row] & IN_DRAM and col["pin"][row] != Tier.DRAM:
                 self._release_dram(row, evicted=True)
             self.counters["demoted_blocks"] += 1
@@ -431,6 +636,7 @@ class TierManager(SessionOps):
             JobKind.LOAD: lambda j, r: self._complete_staged(j, r, "hit"),
             JobKind.PROMOTE: lambda j, r: self._complete_staged(j, r, "promoted"),
             JobKind.DEMOTE: self._complete_demote,
+            JobKind.FLUSH: self._complete_demote,
             JobKind.DROP: lambda j, r: None,
             JobKind.SNAPSHOT: self._complete_snapshot,
             JobKind.RESTORE: self._complete_restore,

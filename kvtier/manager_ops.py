@@ -29,7 +29,10 @@ SESSION_STATES = ("pinned", "hot", "warm", "cold", "gone")  # in the order sessi
 class SessionOps:
     # ---- pins ---------------------------------------------------------------------------------
     def pin(self: "TierManager", session_id: str, tier: Tier = Tier.DRAM) -> Job | None:
-        """Pin a session at ``tier``: never dropped, never below ``tier``. May return a PROMOTE job."""
+        """Pin a session at ``tier``: never dropped, never below ``tier``, and durable: its DRAM-only
+        blocks are written to NVMe now (a FLUSH job) and as it grows (stores marked ``durable``).
+        Returns the PROMOTE job a DRAM pin needs (the flush then follows with the next maintenance),
+        else the FLUSH job."""
         if tier not in (Tier.DRAM, Tier.NVME):
             raise UsageError(f"cannot pin to {tier.name.lower()}", hint="pin to dram or nvme")
         session = self.session(session_id)
@@ -46,12 +49,19 @@ class SessionOps:
                 )
         session.pinned = tier
         self._recompute_pins(rows)
-        return self._promote_rows(to_promote, session_id) if to_promote else None
+        self._catalog_dirty.add(session_id)
+        flush = self.flush(session_id) if self.nvme_capacity else None
+        if not to_promote:
+            return flush
+        if flush is not None:
+            self.queued.append(flush)
+        return self._promote_rows(to_promote, session_id)
 
     def unpin(self: "TierManager", session_id: str) -> None:
         session = self.session(session_id)
         session.pinned = None
         self._recompute_pins(self.session_rows(session))
+        self._catalog_dirty.add(session_id)
 
     def _recompute_pins(self: "TierManager", rows: list[int]) -> None:
         """A block's pin is the hottest tier of any pinned session that contains it."""
@@ -112,6 +122,8 @@ class SessionOps:
                 drops.append(self._release_nvme(row, evicted=False))
             self._forget_if_homeless(row)
         del self.sessions[session_id]
+        self._catalog_gone.add(session_id)
+        self._catalog_dirty.discard(session_id)
         return self._new_job(JobKind.DROP, drops=drops, session_id=session_id) if drops else None
 
     def _evictable_rows(self: "TierManager", session: "Session") -> list[int]:
@@ -152,8 +164,12 @@ class SessionOps:
             sizes.append(get_codec(target).nbytes_for(self.geometry, move.first) if move.to_codec else move.nbytes)
         self.index.ref(rows, +1)
         tokens = min(session.num_tokens, len(rows) * self.geometry.block_tokens)
+        token_ids = self.session_tokens(session)
+        covered = len(rows) * self.geometry.block_tokens
         header = {"session_id": session_id, "namespace": session.namespace, "num_tokens": tokens,
-                  "codec": target, "sizes": sizes}
+                  "codec": target, "sizes": sizes,
+                  "token_ids": token_ids[:covered].tolist() if token_ids is not None and len(token_ids) >= covered
+                  else []}
         return self._new_job(JobKind.SNAPSHOT, moves=moves, session_id=session_id, path=str(path), header=header)
 
     def _complete_snapshot(self: "TierManager", job: Job, result: JobResult) -> None:
@@ -190,7 +206,8 @@ class SessionOps:
             moves.append(self._move(row, dram_slot=-1 if to_nvme else slot, nbytes=entry.nbytes, codec=info.codec,
                                     to_nvme=to_nvme, device_block=position, first=first, to_codec=to_codec,
                                     reserved=size))
-        self.record_session(info.session_id, info.namespace, [b.key for b in info.blocks], info.num_tokens)
+        self.record_session(info.session_id, info.namespace, [b.key for b in info.blocks], info.num_tokens,
+                            token_ids=info.token_ids or None)
         if not moves and not drops:
             return None
         return self._new_job(JobKind.RESTORE, moves=moves, drops=drops, session_id=info.session_id,
@@ -217,6 +234,7 @@ class SessionOps:
             else:
                 col["dram_nbytes"][row] = move.nbytes
                 col["dram_codec"][row] = self.index.codec_id(move.codec)
+                col["dirty_since"][row] = self.index.now()
             self.policies[tier].on_insert(row, (move.namespace, move.key))
             self.counters["restored_blocks"] += 1
 
@@ -238,7 +256,7 @@ class SessionOps:
         def count(weights) -> np.ndarray:
             return np.bincount(who, weights=weights, minlength=len(sessions)).astype(np.int64)
 
-        return {"blocks_dram": count(in_dram), "blocks_nvme": count(in_nvme),
+        return {"blocks_dram": count(in_dram), "blocks_nvme": count(in_nvme), "blocks_both": count(in_dram & in_nvme),
                 "bytes_dram": count(col["dram_nbytes"][idx] * in_dram),
                 "bytes_nvme": count(col["nvme_nbytes"][idx] * in_nvme)}
 
@@ -253,7 +271,8 @@ class SessionOps:
             "session_id": session.session_id,
             "state": state(session, dram, nvme),
             "tokens": session.num_tokens,
-            "blocks": len(session.keys),
+            "blocks": session.num_blocks,
+            "blocks_missing": max(0, session.num_blocks - dram - nvme + both),
             "blocks_dram": dram,
             "blocks_nvme": nvme,
             "bytes_dram": b_dram,
@@ -261,8 +280,9 @@ class SessionOps:
             "pinned": session.pinned.name.lower() if session.pinned is not None else None,
             "last_use": session.last_use,
             "idle_seconds": max(0.0, now - session.last_use),
-        } for session, dram, nvme, b_dram, b_nvme in zip(sessions, counts["blocks_dram"], counts["blocks_nvme"],
-                                                          counts["bytes_dram"], counts["bytes_nvme"])]
+        } for session, dram, nvme, both, b_dram, b_nvme in zip(
+            sessions, counts["blocks_dram"], counts["blocks_nvme"], counts["blocks_both"], counts["bytes_dram"],
+            counts["bytes_nvme"])]
 
     def session_state_counts(self: "TierManager") -> dict[str, int]:
         """How many sessions are in each state (``session_state``), without building the rows."""
@@ -316,6 +336,7 @@ class SessionOps:
             "nvme": {"used_bytes": self._nvme_used, "capacity_bytes": self.nvme_capacity,
                      "blocks": int(((self.index.col["flags"] & IN_NVME) != 0).sum()),
                      "codec": self.cold_codec, "tokens_per_gib": capacity["nvme"]},
+            "dirty": self.dirty_stats(),
             "sessions": len(self.sessions),
             "jobs_in_flight": len(self.jobs),
             "counters": dict(self.counters),

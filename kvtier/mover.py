@@ -58,6 +58,10 @@ class Mover:
         # what each DRAM slot holds, as far as this worker wrote it: (namespace, key, nbytes, codec,
         # first); the manager's freed slots are forgotten (forget_slots) so a dropped block stays dropped
         self.slot_owner: dict[int, tuple[bytes, bytes, int, str, bool]] = {}
+        # write-behind: slots whose block has no NVMe copy yet -> when it became so (monotonic; 0.0:
+        # due at once, a pinned session's block). Guarded by _slots_lock with slot_owner.
+        self.dirty: dict[int, float] = {}
+        self._slots_lock = threading.Lock()
         self._lock = threading.Lock()
         self._results: queue.Queue[JobResult] = queue.Queue()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-mover")
@@ -69,6 +73,7 @@ class Mover:
             JobKind.LOAD: self._load,
             JobKind.PROMOTE: self._promote,
             JobKind.DEMOTE: self._demote,
+            JobKind.FLUSH: self._demote,
             JobKind.DROP: self._drop,
             JobKind.SNAPSHOT: self._snapshot,
             JobKind.RESTORE: self._restore,
@@ -91,6 +96,10 @@ class Mover:
                 out.append(self._results.get_nowait())
             except queue.Empty:
                 return out
+
+    def post(self, result: JobResult) -> None:
+        """Queue a result made outside a job (write-behind) for ``poll``."""
+        self._results.put(result)
 
     def _run_and_queue(self, job: Job, ready) -> JobResult:
         result = self._run(job, ready)
@@ -146,12 +155,76 @@ class Mover:
         geometry = self.fingerprint.geometry
         return raw[: geometry.block_bytes].view(getattr(torch, geometry.dtype)).view(1, *geometry.block_shape)
 
-    def _own(self, move: BlockMove) -> None:
-        self.slot_owner[move.dram_slot] = (move.namespace, move.key, move.nbytes, move.codec, move.first)
+    def _own(self, move: BlockMove, dirty: bool = True) -> None:
+        with self._slots_lock:
+            self.slot_owner[move.dram_slot] = (move.namespace, move.key, move.nbytes, move.codec, move.first)
+            if dirty and self.store is not None and not self.store.has(move.namespace, move.key):
+                self.dirty[move.dram_slot] = 0.0 if move.durable else time.monotonic()
+            else:
+                self.dirty.pop(move.dram_slot, None)
 
     def forget_slots(self, slots: Sequence[int]) -> None:
-        for slot in slots:
-            self.slot_owner.pop(slot, None)
+        if not slots:
+            return
+        with self._slots_lock:  # waits for a write-behind copy of one of these slots to finish
+            for slot in slots:
+                self.slot_owner.pop(slot, None)
+                self.dirty.pop(slot, None)
+
+    def dirty_due(self, max_age_s: float) -> int:
+        """How many dirty slots are at least ``max_age_s`` old (pinned sessions' blocks: at once)."""
+        cutoff = time.monotonic() - max_age_s
+        with self._slots_lock:
+            return sum(1 for since in self.dirty.values() if since <= cutoff)
+
+    def write_behind(self, max_age_s: float, max_blocks: int = 64, cold_codec: str = "none",
+                     room: Callable[[int], bool] | None = None) -> list[tuple[bytes, bytes, int, str]]:
+        """Write up to ``max_blocks`` DRAM blocks that have had no NVMe copy for ``max_age_s`` seconds
+        (oldest first) to the NVMe tier, keeping them in DRAM. Returns (namespace, key, nbytes, codec)
+        of each block written, for the manager (``TierManager.note_written_behind``).
+
+        Each slot is copied out under the slot lock, after checking it still holds the same block:
+        a slot the manager freed and a new store reuses is never written under the old key.
+        ``room(nbytes)`` says whether the tier may take another file (the caller's watermark).
+        """
+        if self.store is None:
+            return []
+        from kvtier.errors import CapacityError, StorageFullError
+
+        cutoff = time.monotonic() - max_age_s
+        with self._slots_lock:
+            due = sorted((since, slot) for slot, since in self.dirty.items() if since <= cutoff)[:max_blocks]
+        written: list[tuple[bytes, bytes, int, str]] = []
+        for _, slot in due:
+            with self._slots_lock:
+                owner = self.slot_owner.get(slot)
+                if owner is None or slot not in self.dirty:
+                    continue
+                namespace, key, nbytes, codec, first = owner
+                payload = self.arena.slot(slot, nbytes).clone()
+            move = BlockMove(row=-1, namespace=namespace, key=key, dram_slot=slot, nbytes=nbytes, codec=codec,
+                             first=first, to_codec="" if codec == cold_codec else cold_codec)
+            try:
+                if move.to_codec:
+                    payload = self._transcoded(move, payload)
+                if room is not None and not room(len(payload)):
+                    break
+                self.store.write(namespace, key, payload, self.fingerprint.digest, move.codec, sync_dir=False)
+            except (CapacityError, StorageFullError) as exc:
+                log.info("kvtier: write-behind paused: %s", exc)
+                break
+            except (KvtierError, OSError) as exc:  # one bad block must not cost the others
+                log.warning("kvtier: write-behind of block %s failed: %s", key.hex()[:16], exc)
+                break
+            with self._slots_lock:
+                if self.slot_owner.get(slot) == owner:
+                    self.dirty.pop(slot, None)
+            with self._lock:
+                self.link_bytes["dram->nvme"] += move.nbytes
+            written.append((namespace, key, move.nbytes, move.codec))
+        if written:
+            self.store.sync_dirs()  # durable before anyone is told
+        return written
 
     def write_back(self, cold_codec: str = "none") -> int:
         """Clean shutdown: write every DRAM block that has no NVMe copy to the NVMe tier, so a
@@ -312,6 +385,11 @@ class Mover:
             futures.append(store.submit_write(move.namespace, move.key, payload, self.fingerprint.digest, move.codec))
         self._collect_writes(futures, job.moves, result, "dram->nvme")
         store.sync_dirs()
+        failed = set(result.failed)
+        with self._slots_lock:
+            for i, move in enumerate(job.moves):
+                if i not in failed:
+                    self.dirty.pop(move.dram_slot, None)
         if store.recreated > self._recreated_seen:
             self._recreated_seen = store.recreated
             result.extra["nvme_recreated"] = True  # the directory had vanished: what it held is gone
@@ -370,7 +448,7 @@ class Mover:
             job.path, self.fingerprint, header["session_id"], header["namespace"],
             codec=header.get("codec", job.moves[0].codec),
             num_tokens=header["num_tokens"], keys=[m.key for m in job.moves], payloads=payloads(),
-            block_nbytes=sizes,
+            block_nbytes=sizes, token_ids=header.get("token_ids") or (),
         )
         result.extra["path"] = str(info.path)
 

@@ -91,6 +91,7 @@ def build_kv_transfer_config(settings: Settings, model_id: str, api_url: str | N
             "warm_codec": settings.warm_codec,
             "cold_codec": settings.cold_codec,
             "link_gbps": settings.link_gbps,
+            "write_behind": settings.write_behind,
             "model_id": model_id,
             **admin,
         },
@@ -247,6 +248,11 @@ def _check_nvme_dir(settings: Settings, create: bool) -> list[str]:
     if fstype in NETWORK_FILESYSTEMS:
         warnings.append(f"NVMe dir {raw} is on a network filesystem ({fstype}): the cold tier will be slow")
 
+    from kvtier.catalog import held_locks
+
+    for lock, pid in held_locks(nvme_dir):
+        raise ConfigError(f"NVMe dir {raw} is in use by another kvtier server (pid {pid}, {lock.name})",
+                          hint="give each server its own --nvme-dir (one per GPU or instance), or stop the other one")
     if create:
         try:
             nvme_dir.mkdir(parents=True, exist_ok=True)
@@ -434,6 +440,8 @@ def run_server(
     say: Say = print,
     grace_s: float = GRACE_S,
     poll_s: float = 0.5,
+    before_stop: Callable[[], None] | None = None,
+    stop_timeout_s: float = 60.0,
 ) -> int:
     """Run ``cmd`` (vLLM's server) in its own process group until it exits or we are signalled.
 
@@ -442,6 +450,9 @@ def run_server(
     alive ``grace_s`` after the first signal is SIGKILLed.  Returns the child's exit status: 0 on a
     clean shutdown after a signal, 128+N when it died of signal N.  Must be called from the main
     thread (it installs signal handlers, restored on return).
+
+    ``before_stop`` (kvtier's flush of dirty KV through the admin API) runs on the first signal,
+    before vLLM is told to stop, for at most ``stop_timeout_s`` seconds; a second signal skips it.
     """
     signalled = threading.Event()
     stop_polling = threading.Event()
@@ -458,6 +469,10 @@ def run_server(
                 _kill_group(pgid, signal.SIGKILL)
             return
         signalled.set()
+        if before_stop is None:
+            stop_child()
+
+    def stop_child() -> None:
         deadline.append(time.monotonic() + grace_s)
         if pgid:
             _kill_group(pgid, signal.SIGTERM)
@@ -468,19 +483,31 @@ def run_server(
             previous[sig] = signal.signal(sig, forward)
         child = subprocess.Popen(list(cmd), env=None if env is None else dict(env), start_new_session=True)
         pgid = child.pid  # start_new_session: the child leads a new session and process group
-        if signalled.is_set():  # signalled while it was starting
+        if signalled.is_set() and before_stop is None:  # signalled while it was starting
             _kill_group(pgid, signal.SIGTERM)
         poller = threading.Thread(
             target=_wait_ready, name="kvtier-serve-ready", daemon=True,
             args=(_health_url(url), child, stop_polling, lambda: say(f"ready: {url}"), poll_s))
         poller.start()
         killed = False
+        flusher: threading.Thread | None = None
+        flush_until = 0.0
         while True:
             try:
                 returncode = child.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
                 pass
+            if signalled.is_set() and not deadline:  # first signal with a flush to run first
+                if flusher is None:
+                    flusher = threading.Thread(target=_guarded, args=(before_stop, say), name="kvtier-flush-on-stop",
+                                               daemon=True)
+                    flush_until = time.monotonic() + stop_timeout_s
+                    flusher.start()
+                elif not flusher.is_alive() or time.monotonic() > flush_until:
+                    if flusher.is_alive():
+                        say(f"flush did not finish within {stop_timeout_s:g} s; stopping anyway")
+                    stop_child()
             if deadline and not killed and time.monotonic() > deadline[0]:
                 say(f"vLLM did not stop within {grace_s:g} s; killing it")
                 _kill_group(pgid, signal.SIGKILL)
@@ -501,6 +528,46 @@ def run_server(
             signal.signal(sig, handler)  # type: ignore[arg-type]
         if poller is not None:
             poller.join(timeout=3)
+
+
+def flush_before_stop(socket_path: str, timeout_s: float, say: Say) -> None:
+    """Write the server's dirty KV to NVMe through its admin API (``kvtier flush``), with progress."""
+    from kvtier.cli.output import human_bytes
+    from kvtier.control.client import AdminClient
+
+    client = AdminClient(socket_path, timeout=max(1.0, min(timeout_s, 30.0)))
+    try:
+        dirty = client.get("/v1/status").get("dirty") or {}
+        if not dirty.get("dirty_blocks"):
+            say("stopping: every DRAM block already has an NVMe copy")
+            return
+        say(f"stopping: flushing {human_bytes(dirty['dirty_bytes'])} of KV not yet on NVMe "
+            f"({dirty['dirty_blocks']:,} blocks; at most {timeout_s:g} s, Ctrl-C again to skip)")
+        started = time.monotonic()
+        last = [started]
+
+        def progress(job: dict) -> None:
+            if time.monotonic() - last[0] >= 2.0:
+                last[0] = time.monotonic()
+                say(f"… flushing ({time.monotonic() - started:.0f} s)")
+
+        job = client.wait(client.post("/v1/flush", {}), timeout=timeout_s, on_poll=progress)
+        if job["state"] == "done":
+            say(f"flushed {human_bytes(job.get('bytes') or 0)} in {time.monotonic() - started:.1f} s")
+        else:
+            say(f"flush job {job['id']} {job['state']}: {job.get('error') or ''}")
+    finally:
+        client.close()
+
+
+def _guarded(action: Callable[[], None] | None, say: Say) -> None:
+    if action is None:
+        return
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - stopping must go on whatever the flush met
+        hint = getattr(exc, "hint", None)
+        say(f"flush before stop failed: {exc}" + (f" ({hint})" if hint else ""))
 
 
 def _reap_group(child: subprocess.Popen, grace_s: float) -> None:

@@ -174,7 +174,7 @@ def exchange(sock_path: str, data: bytes, answers: int) -> list[tuple[int, bytes
                 assert chunk, f"connection closed after {len(out)} answers"
                 buf += chunk
             head, _, buf = buf.partition(b"\r\n\r\n")
-            length = int([l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0])
+            length = int([line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")][0])
             while len(buf) < length:
                 buf += s.recv(65536)
             out.append((int(head.split()[1]), head, buf[:length]))

@@ -110,7 +110,8 @@ def test_pinned_session_stays_in_dram_and_is_never_dropped(fingerprint, hbm, tmp
     # heavy traffic from other sessions
     for s in range(2, 10):
         engine.store(f"s{s}", ns, session_keys(s, 3), [3, 4, 5])
-    assert where(engine, ns, pinned) == ["D"] * 3
+    # still in DRAM, and durable: a pinned session is written through to NVMe too
+    assert where(engine, ns, pinned) == ["DN"] * 3
     assert engine.manager.session_info("agent")["state"] == "pinned"
     # unpinned, it can be demoted like any other
     engine.unpin("agent")

@@ -1,7 +1,7 @@
 """The session commands: clients of the admin API of a running ``kvtier serve``.
 
 ``status``, ``sessions``, ``inspect``, ``pin``, ``unpin``, ``evict``, ``snapshot SESSION``,
-``restore FILE``, ``jobs``. Reads take ``--json``; writes wait for their job with a progress
+``restore FILE``, ``flush``, ``jobs``. Reads take ``--json``; writes wait for their job with a progress
 spinner unless ``--no-wait`` (then they print the job id). The socket is found without flags
 (``$KVTIER_ADMIN_SOCKET``, else the one ``kvtier serve`` prints); ``--socket`` overrides it.
 """
@@ -67,8 +67,9 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         if json_out:
             emit_json(doc)
             return
-        typer.echo(f"model {doc.get('model')}  KV {doc.get('kv_dtype')}  API {doc.get('api_url') or '-'}  "
-                   f"up {doc['uptime_s']:.0f}s")
+        weights = (doc.get("fingerprint") or {}).get("weights") or "-"
+        typer.echo(f"model {doc.get('model')}  weights {weights}  KV {doc.get('kv_dtype')}  "
+                   f"API {doc.get('api_url') or '-'}  up {doc['uptime_s']:.0f}s")
         rows = []
         for tier in ("hbm", "dram", "nvme"):
             t = doc["tiers"][tier]
@@ -86,6 +87,16 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         print_table("tiers", ["tier", "used", "%", "blocks", "codec", "tokens/GiB"], rows)
         sessions = ", ".join(f"{n} {state}" for state, n in doc["sessions"].items() if n) or "none"
         typer.echo(f"sessions: {sessions}; jobs in flight: {doc['jobs_in_flight']}")
+        dirty = doc.get("dirty") or {}
+        if dirty.get("dirty_blocks"):
+            typer.echo(f"not yet on NVMe: {human_bytes(dirty['dirty_bytes'])} in {dirty['dirty_blocks']:,} blocks, "
+                       f"oldest {dirty['dirty_age_s']:.1f}s (a crash would lose them; `kvtier flush` writes them now)")
+        elif doc["tiers"]["nvme"].get("capacity_bytes"):
+            typer.echo("not yet on NVMe: nothing (every DRAM block has an NVMe copy)")
+        catalog = doc.get("catalog")
+        if catalog:
+            typer.echo(f"session catalog: {catalog['path']} ({catalog['sessions_at_start']:,} sessions read back "
+                       f"at start in {catalog['start_ms']} ms)")
         for tier, warning in doc.get("warnings", {}).items():
             typer.echo(f"warning ({tier}): {warning}", err=True)
 
@@ -103,7 +114,9 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         if json_out:
             emit_json(doc)
             return
-        rows = [(s["session_id"], s["state"], f"{s['tokens']:,}", human_bytes(s["bytes_dram"]),
+        rows = [(s["session_id"], s["state"] + (" (partial)" if s.get("blocks_missing") and s["state"] != "gone"
+                                                 else ""),
+                 f"{s['tokens']:,}", human_bytes(s["bytes_dram"]),
                  human_bytes(s["bytes_nvme"]), s["pinned"] or "-", _ago(s["last_use"])) for s in doc["sessions"]]
         print_table(f"sessions ({len(rows)} of {doc['total']})",
                     ["session", "state", "tokens", "DRAM", "NVMe", "pinned", "last use"], rows)
@@ -203,6 +216,17 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         client = _client(socket)
         job = client.post("/v1/restore", {"path": str(path.resolve()), "tier": tier})
         _finish(client, job, wait, json_out, f"restore {path.name}")
+
+    @app.command("flush")
+    @handle_errors
+    def flush(session: Optional[str] = typer.Option(None, "--session", help="Only this session."),
+              wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
+              json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
+              socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+        """Write every DRAM block that has no NVMe copy yet to NVMe now (they stay in DRAM too)."""
+        client = _client(socket)
+        job = client.post("/v1/flush", {"session": session} if session else {})
+        _finish(client, job, wait, json_out, "flush" + (f" {session}" if session else ""))
 
     @app.command("jobs")
     @handle_errors

@@ -82,6 +82,10 @@ def serve(
         None, "--cold-codec", help="Codec of the NVMe tier, e.g. fp8+zstd or int4-lc (default none)."),
     link_gbps: Optional[str] = typer.Option(
         None, "--link-gbps", help="Cap measured links for the cost model, GB/s: pcie=3.9,nvme=1.5 (slow-link demo)."),
+    write_behind: Optional[str] = typer.Option(
+        None, "--write-behind", help="Seconds a DRAM-only block waits for its NVMe copy (default 10), or off."),
+    stop_timeout: Optional[float] = typer.Option(
+        None, "--stop-timeout", help="Seconds the flush on Ctrl-C/SIGTERM may take before vLLM stops (default 60)."),
     demo_size: str = typer.Option("tiny", "--demo-size", help="Demo model size when no MODEL: tiny or mid."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check, print the vLLM command, start nothing."),
 ) -> None:
@@ -103,7 +107,8 @@ def serve(
         raise UsageError(f"unknown --demo-size {demo_size!r}", hint=f"choose one of: {', '.join(srv.DEMO_SIZES)}")
     settings, _sources = load_settings(flags={"dram": dram, "nvme_dir": nvme_dir, "nvme": nvme, "policy": policy,
                                               "warm_codec": warm_codec, "cold_codec": cold_codec,
-                                              "link_gbps": link_gbps})
+                                              "link_gbps": link_gbps, "write_behind": write_behind,
+                                              "stop_timeout": stop_timeout})
     for warning in srv.preflight(settings, model, host=host, port=port, create_dirs=not dry_run, extra_args=extra,
                                  kv_cache_dtype=kv_cache_dtype):
         typer.echo(f"warning: {warning}", err=True)
@@ -133,7 +138,12 @@ def serve(
         typer.echo(json.dumps(json.loads(cmd[cmd.index("--kv-transfer-config") + 1]), indent=2))
         typer.echo(f"API would be at {url}")
         return
-    code = srv.run_server(cmd, env, url, srv.admin_socket_path(), say=lambda msg: typer.echo(f"kvtier: {msg}"))
+    def say(msg: str) -> None:
+        typer.echo(f"kvtier: {msg}")
+
+    code = srv.run_server(cmd, env, url, srv.admin_socket_path(), say=say,
+                          before_stop=lambda: srv.flush_before_stop(srv.admin_socket_path(), settings.stop_timeout, say),
+                          stop_timeout_s=settings.stop_timeout)
     raise typer.Exit(code)
 
 
@@ -339,6 +349,7 @@ def snapshot_inspect(
     print_table(str(file), ["field", "value"], [
         ("session", info.session_id),
         ("model", f"{fp.model_id} ({fp.hex[:12]})"),
+        ("weights", fp.weights or "unknown (not in the fingerprint)"),
         ("geometry", f"{fp.geometry.num_layers} layers x {fp.geometry.num_kv_heads} kv heads x "
                      f"{fp.geometry.head_dim} dims, {fp.geometry.block_tokens} tokens/block, {fp.geometry.dtype}"),
         ("tokens", info.num_tokens),

@@ -39,8 +39,19 @@ def _status(ops: "Ops", **_) -> tuple[int, dict]:
         "snapshot_dir": str(ops.snapshot_dir) if ops.snapshot_dir else None,
         "fingerprint": stats["fingerprint"], "tiers": tiers,
         "sessions": {state: states[state] for state in STATES}, "jobs_in_flight": in_flight,
+        "dirty": stats["dirty"], "catalog": _catalog_view(ops),
         "warnings": stats["warnings"], "counters": stats["counters"], "links": links,
     }
+
+
+def _catalog_view(ops: "Ops") -> dict | None:
+    """Called under the lock."""
+    catalog = getattr(ops.manager, "catalog", None)
+    if catalog is None:
+        return None
+    counters = ops.manager.counters
+    return {"path": str(catalog.path), "sessions_at_start": counters.get("catalog_sessions_at_start", 0),
+            "start_ms": counters.get("catalog_start_ms", 0), "writes": counters.get("catalog_writes", 0)}
 
 
 def _tier_view(stats: dict, ops: "Ops") -> dict:
@@ -185,6 +196,13 @@ def _restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
     return 202, record.to_dict()
 
 
+def _flush(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
+    session = body.get("session")
+    if session is not None:
+        session = validate_session_id(session)
+    return _write(ops, "flush", session, lambda: ops.manager.flush(session))
+
+
 def _costmodel(ops: "Ops", **_) -> tuple[int, dict]:
     with ops.lock:
         if ops.cost is None:
@@ -198,7 +216,7 @@ def _openapi(ops: "Ops", **_) -> tuple[int, dict]:
 
 _HANDLERS = {"status": _status, "tiers": _tiers, "sessions": _sessions, "session": _session, "jobs": _jobs,
              "job": _job, "pin": _pin, "unpin": _unpin, "evict": _evict, "snapshot": _snapshot,
-             "restore": _restore, "openapi": _openapi,
+             "restore": _restore, "flush": _flush, "openapi": _openapi,
              "costmodel": _costmodel}
 
 
@@ -233,6 +251,8 @@ OPENAPI = {
         "/v1/sessions/{session}/snapshot": {"post": _op("Snapshot to a file", {"path": {"type": "string"}},
                                                          ("session",))},
         "/v1/restore": {"post": _op("Restore a snapshot file", {"path": {"type": "string"}, "tier": _TIER_ENUM})},
+        "/v1/flush": {"post": _op("Copy DRAM-only blocks (all, or one session's) to NVMe now",
+                                  {"session": {"type": "string"}})},
         "/v1/costmodel": {"get": _op("Measured link rates, the fitted prefill model, break-even lengths")},
         "/metrics": {"get": _op("Prometheus metrics")},
     },
@@ -285,6 +305,18 @@ def metrics(ops: "Ops") -> bytes:
             for decision in ("load", "split", "recompute"):
                 decisions.add_metric([decision], counters.get(f"decision_{decision}", 0))
             yield decisions
+            dirty = stats["dirty"]
+            yield GaugeMetricFamily("kvtier_dirty_bytes", "DRAM bytes with no NVMe copy yet (a crash loses them)",
+                                    value=dirty["dirty_bytes"])
+            yield GaugeMetricFamily("kvtier_dirty_blocks", "DRAM blocks with no NVMe copy yet",
+                                    value=dirty["dirty_blocks"])
+            yield GaugeMetricFamily("kvtier_dirty_age_seconds", "Age of the oldest DRAM block with no NVMe copy",
+                                    value=dirty["dirty_age_s"])
+            written = CounterMetricFamily("kvtier_durable_blocks", "Blocks given an NVMe copy while kept in DRAM",
+                                          labels=["how"])
+            written.add_metric(["write_behind"], counters.get("written_behind_blocks", 0))
+            written.add_metric(["flush"], counters.get("flushed_blocks", 0))
+            yield written
             warn = GaugeMetricFamily("kvtier_warning", "1 while a tier has a warning", labels=["tier"])
             for tier in ("dram", "nvme"):  # "nvme" also covers "nvme_reads" (blocks lost or damaged)
                 warn.add_metric([tier], 1 if any(k.split("_")[0] == tier for k in stats["warnings"]) else 0)

@@ -19,6 +19,7 @@ Routes (``GET /v1/openapi.json`` describes them)::
     POST /v1/sessions/{id}/evict         {"to": "dram" | "nvme" | "drop"}
     POST /v1/sessions/{id}/snapshot      {"path": optional file path; default: the snapshot dir}
     POST /v1/restore                     {"path": snapshot file, "tier": "dram" | "nvme"}
+    POST /v1/flush                       {"session": optional id}: DRAM-only blocks to NVMe now
     GET  /metrics                        Prometheus text
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ API_VERSION = "v1"
 MAX_BODY = 64 << 10
 SWITCH_INTERVAL_S = 0.001
 SNAPSHOT_SUFFIX = ".kvsnap"
-LINK_KINDS = ("store", "load", "demote", "promote", "snapshot", "restore")
+LINK_KINDS = ("store", "load", "demote", "flush", "promote", "snapshot", "restore")
 _SESSION = r"(?P<session>[^/]+)"
 
 
@@ -269,9 +270,10 @@ _ROUTES: list[tuple[str, re.Pattern, str]] = [
         ("POST", f"/v1/sessions/{_SESSION}/evict", "evict"),
         ("POST", f"/v1/sessions/{_SESSION}/snapshot", "snapshot"),
         ("POST", "/v1/restore", "restore"),
+        ("POST", "/v1/flush", "flush"),
     ]
 ]
-_BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"path"}, "restore": {"path", "tier"}}
+_BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"path"}, "restore": {"path", "tier"}, "flush": {"session"}}
 
 
 _REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",

@@ -1,7 +1,8 @@
 """What kvtier needs to know about the served model, read from vLLM's config.
 
-The fingerprint covers the model, its KV geometry, the KV dtype and the device kind, so blocks
-never cross models, dtypes or backends whose in-block packing differs.
+The fingerprint covers the model, an identity of its weights, its KV geometry, the KV dtype and
+the device kind, so blocks never cross models, weights, dtypes or backends whose in-block packing
+differs.
 """
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ def fingerprint_from_vllm(vllm_config: Any, extra: dict) -> ModelFingerprint:
     model_id = str(extra.get("model_id") or model_config.model)
     from vllm.platforms import current_platform
 
-    return ModelFingerprint(f"{model_id}@{current_platform.device_type}", geometry)
+    from kvtier.weights import weights_identity
+
+    weights = weights_identity(model_config.model, getattr(model_config, "revision", None))
+    return ModelFingerprint(f"{model_id}@{current_platform.device_type}", geometry, weights)
 
 
 def layout_name(kv_layer: Any) -> str:

@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.config import write_behind_seconds
 from kvtier.costmodel import CostModel, DEFAULT_RATES, measure_rates, parse_link_caps
 from kvtier.decide import LoadCandidate, blocks_to_load, worth_keeping
 from kvtier.index import IN_DRAM, namespace_of, validate_session_id
@@ -91,6 +92,7 @@ class KVTierScheduler:
             records = scanner.scan()
             removed = scanner.removed_at_scan
             scanner.close()
+        self.catalog, catalog_problem = self._open_catalog(cold_dir, fingerprint)
         self.manager = TierManager(
             fingerprint,
             dram_bytes=int(extra.get("dram_bytes", 4 << 30)),
@@ -102,7 +104,11 @@ class KVTierScheduler:
             warm_codec=str(extra.get("warm_codec", "none")),
             cold_codec=str(extra.get("cold_codec", "none")),
             nvme_removed_at_start=removed,
+            catalog=self.catalog,
         )
+        if catalog_problem:
+            self.manager.warnings["catalog"] = catalog_problem
+        self.write_behind_s = write_behind_seconds(extra.get("write_behind", "10")) if cold_dir else None
         self.cost = self._cost_model(extra, cold_dir)
         self.manager.cost = self.cost  # demotion asks it too
         self._stopping = threading.Event()
@@ -127,6 +133,48 @@ class KVTierScheduler:
         self._waking = threading.Lock()
         if extra.get("admin_socket"):
             self._start_admin(extra)
+        threading.Thread(target=self._keep_catalog, args=(float(extra.get("catalog_interval_s", 1.0)),),
+                         name="kvtier-catalog", daemon=True).start()
+
+    # ---- durability -----------------------------------------------------------------------------
+    @staticmethod
+    def _open_catalog(nvme_dir: str | None, fingerprint: ModelFingerprint) -> tuple[Any, str | None]:
+        """The session catalog of this NVMe dir and model; a server that cannot have it still serves
+        (without sessions surviving a restart) and says why in status."""
+        if not nvme_dir:
+            return None, None
+        from kvtier.catalog import Catalog, CatalogError
+
+        try:
+            return Catalog(nvme_dir, fingerprint), None
+        except (CatalogError, OSError) as exc:
+            message = f"no session catalog: {exc}" + (f" ({exc.hint})" if getattr(exc, "hint", None) else "")
+            log.error("kvtier: %s", message)
+            return None, message
+
+    def _keep_catalog(self, every_s: float) -> None:
+        """Write the sessions that changed, about once a second, in one transaction (the lock is held
+        only to copy them). While the engine is idle, also make one step when the worker should have
+        written blocks behind, so their state (and status's dirty count) comes back."""
+        poked_at = 0.0
+        while not self._stopping.wait(every_s):
+            with self.lock:
+                batch = self.manager.catalog_batch() if self.catalog is not None else ([], [])
+                dirty_age = self.manager.dirty_stats()["dirty_age_s"] if self.write_behind_s is not None else 0.0
+            if batch[0] or batch[1]:
+                self.manager.write_catalog(batch, self.lock)
+            window = self.write_behind_s
+            if window is not None and dirty_age > window + 2 * every_s and self._idle_for() > every_s \
+                    and time.monotonic() - poked_at > max(window, 2.0):
+                poked_at = time.monotonic()
+                self.poke()
+
+    def flush_catalog(self) -> None:
+        if self.catalog is None:
+            return
+        with self.lock:
+            batch = self.manager.catalog_batch()
+        self.manager.write_catalog(batch, self.lock)
 
     def _cost_model(self, extra: dict, nvme_dir: str | None) -> CostModel:
         """Measured link rates (at start; ``link_gbps`` caps them) and a prefill model that the
@@ -241,6 +289,20 @@ class KVTierScheduler:
         return {"used_bytes": used * block_bytes, "blocks": used,
                 "capacity_bytes": capacity * block_bytes if capacity else None}
 
+    def poke(self) -> bool:
+        """One 1-token request, so an idle engine runs a step (kvtier's results travel with steps)."""
+        if not self._api_url:
+            return False
+        body = json.dumps({"model": self._served_name, "prompt": ".", "max_tokens": 1}).encode()
+        request = urllib.request.Request(self._api_url.rstrip("/") + "/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=30).read()
+            return True
+        except Exception as exc:  # the next real request does the same
+            log.debug("kvtier: wake request failed: %s", exc)
+            return False
+
     def wake(self) -> None:
         """Keep the engine stepping while admin jobs are in flight.
 
@@ -258,18 +320,10 @@ class KVTierScheduler:
                     r.state in ("queued", "running") for r in self.ops.jobs.values()))
 
         def poke_until_idle() -> None:
-            body = json.dumps({"model": self._served_name, "prompt": ".", "max_tokens": 1}).encode()
-            url = self._api_url.rstrip("/") + "/completions"
             delay = 0.02
             try:
                 for _ in range(10_000):
-                    if not in_flight():
-                        return
-                    try:
-                        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-                        urllib.request.urlopen(request, timeout=30).read()
-                    except Exception as exc:  # jobs still run with the next real request
-                        log.debug("kvtier: wake request failed: %s", exc)
+                    if not in_flight() or not self.poke():  # jobs still run with the next real request
                         return
                     time.sleep(delay)
                     delay = min(delay * 1.5, 0.5)
@@ -283,6 +337,10 @@ class KVTierScheduler:
         if self.admin is not None:
             self.admin.stop()
             self.admin = None
+        if self.catalog is not None:
+            self.flush_catalog()
+            self.catalog.close()
+            self.catalog = None
 
     # ---- admission ----------------------------------------------------------------------------
     def _state(self, request: Any) -> RequestState:
@@ -378,7 +436,8 @@ class KVTierScheduler:
         if full <= state.stored_blocks:
             return
         keys = list(request.block_hashes[:full])
-        session = self.manager.record_session(state.session_id, state.namespace, keys, computed_after_step)
+        session = self.manager.record_session(state.session_id, state.namespace, keys, computed_after_step,
+                                              token_ids=request.all_token_ids)
         session.hot = True
         if session.pinned is None and not worth_keeping(max(request.num_tokens, computed_after_step), self.cost,
                                                          on_nvme=False):
@@ -405,7 +464,9 @@ class KVTierScheduler:
 
     def complete(self, results: list) -> None:
         for result in results:
-            if result.job_id >= 0:
+            if result.job_id < 0 and "written_behind" in result.extra:  # the worker's own write-behind
+                self.enqueue(self.manager.note_written_behind(result.extra["written_behind"]))
+            elif result.job_id >= 0:
                 job = self.manager.jobs.get(result.job_id)
                 if job is not None and job.kind == JobKind.LOAD and result.ok and \
                         not any(move.from_nvme for move in job.moves):

@@ -6,22 +6,28 @@ each step's metadata and decides nothing:
 * stores run in ``wait_for_save``, after the forward pass that computed the blocks: on the CPU a
   memcpy-speed copy into DRAM slots, so no later step can overwrite a block before it is saved;
 * everything else (demotions to NVMe, promotions, drops) runs on the mover's threads, off the
-  forward path.
+  forward path;
+* write-behind: a thread of its own gives every DRAM block that has had no NVMe copy for
+  ``write_behind`` seconds one (a pinned session's at once), whether or not the engine steps, so
+  a crash -- or a vLLM shutdown that kills this process before ``shutdown`` runs -- loses at most
+  that window of new KV. It decides nothing either: it copies what the mover knows it holds.
 Results go back to the scheduler half in the worker metadata of the step that finishes them.
 """
 from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from typing import Any
 
+from kvtier.config import write_behind_seconds
 from kvtier.jobs import Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint, adapter_for
 from kvtier.mover import Mover
 from kvtier.codecs import get_codec, resolve_codec
 from kvtier.tiers.dram import DramArena, SlotAllocator
-from kvtier.tiers.nvme import NvmeStore
+from kvtier.tiers.nvme import NvmeStore, file_bytes_for
 from kvtier.plugins.vllm.geometry import layout_name
 
 __all__ = ["KVTierWorker"]
@@ -46,6 +52,8 @@ class KVTierWorker:
         from kvtier.costmodel import parse_link_caps
 
         self._caps = parse_link_caps(extra.get("link_gbps"))  # an emulated slow link (demos, benchmarks)
+        self._stopping = threading.Event()
+        self._writer: threading.Thread | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = sorted(kv_caches, key=_layer_index)
@@ -63,6 +71,36 @@ class KVTierWorker:
         self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers)
         log.info("kvtier worker: %d KV layers (%s layout), DRAM arena %d MiB%s", len(layers), adapter.name,
                  arena.buffer.numel() >> 20, " (pinned)" if arena.pinned else "")
+        window = write_behind_seconds(self.extra.get("write_behind", "10")) if self.nvme is not None else None
+        if window is not None:
+            self._writer = threading.Thread(target=self._write_behind, args=(window,), name="kvtier-write-behind",
+                                            daemon=True)
+            self._writer.start()
+
+    def _write_behind(self, window: float) -> None:
+        """Every tick, write the blocks that are due (in batches, oldest first); tell the scheduler
+        half what was written with the next step's results."""
+        from kvtier.codecs import resolve_codec
+
+        cold = resolve_codec(str(self.extra.get("cold_codec", "none")), self.fingerprint.geometry, "cold")
+        high = float(self.extra.get("high_watermark", 0.90))
+        store = self.nvme
+        assert store is not None and self.mover is not None
+
+        def room(nbytes: int) -> bool:  # stay under the NVMe watermark: demotion owns the rest
+            return store.used_bytes + file_bytes_for(nbytes) <= high * store.capacity_bytes
+
+        tick = min(1.0, max(0.05, window / 4))
+        while not self._stopping.wait(tick):
+            try:
+                while not self._stopping.is_set() and self.mover.dirty_due(window):
+                    written = self.mover.write_behind(window, 32, cold, room)
+                    if not written:
+                        break
+                    self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=True,
+                                              extra={"written_behind": written}))
+            except Exception as exc:  # noqa: BLE001 - never let durability kill the worker
+                log.warning("kvtier: write-behind failed: %s", exc)
 
     def apply(self, meta) -> None:
         """Once per step, before its jobs: forget the DRAM slots the manager released."""
@@ -121,6 +159,9 @@ class KVTierWorker:
         return errors
 
     def shutdown(self) -> None:
+        self._stopping.set()
+        if self._writer is not None:
+            self._writer.join(timeout=10)
         if self.mover is not None:
             self.mover.close()
             if self.nvme is not None:  # keep DRAM-only blocks across the restart

@@ -1,0 +1,321 @@
+"""The session catalog: what a restart needs to know about sessions, in SQLite next to the NVMe tier.
+
+NVMe block files say which blocks exist, not which session they belong to. The catalog keeps, per
+session: its ordered block keys and token ids (what a snapshot needs), token count, pin, creation
+and last use, namespace. A restart reads it back, so every session whose blocks are on NVMe is
+listed (``cold``), keeps its pin, and can be inspected, pinned or snapshotted before its next turn.
+
+Why SQLite (standard library, WAL mode): atomic multi-row transactions, crash safety that is
+tested far beyond anything home-made, readers that never block the writer, and a file an operator
+can open with ``sqlite3``. ``synchronous=NORMAL`` in WAL mode keeps every committed transaction
+across a process crash; power loss may cost the last commits, never consistency.
+
+One catalog per NVMe directory and model fingerprint: ``<nvme_dir>/catalog/<fingerprint>.sqlite``.
+Trust, checked when the file is opened and row by row:
+* ``meta`` names the schema version and the fingerprint: another version's or another model's
+  file is moved aside (``*.bad-<time>``) with a warning and a fresh catalog starts;
+* a file SQLite cannot read (truncated, overwritten) is moved aside the same way;
+* each row carries an xxh3 of its fields (and one of its token ids): a row that fails it is
+  skipped and counted, never misread;
+* a lock file (``flock``) held for the catalog's life refuses a second server on the same NVMe
+  directory and model with :class:`CatalogLockedError` (naming the holder's pid).
+
+Writes are batched by the caller (the manager collects the sessions that changed at its commit
+points; one transaction carries them all), so serving never waits on SQLite.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import xxhash
+
+from kvtier.errors import KvtierError
+from kvtier.layout import ModelFingerprint
+
+__all__ = ["Catalog", "CatalogError", "CatalogLockedError", "SessionRecord", "SCHEMA_VERSION", "catalog_dir",
+           "held_locks"]
+
+log = logging.getLogger("kvtier.catalog")
+
+SCHEMA_VERSION = 1
+_TOKEN_DTYPE = "<u4"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    namespace  BLOB NOT NULL,
+    key_len    INTEGER NOT NULL,
+    keys       BLOB NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    pinned     INTEGER,
+    created    REAL NOT NULL,
+    last_use   REAL NOT NULL,
+    crc        INTEGER NOT NULL,
+    token_ids  BLOB,
+    tokens_crc INTEGER
+);
+"""
+
+
+class CatalogError(KvtierError):
+    """The catalog cannot be used (its directory is unusable)."""
+
+
+class CatalogLockedError(CatalogError):
+    """Another live process holds this catalog."""
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    session_id: str
+    namespace: bytes
+    keys: bytes  # ordered block keys, concatenated (``key_len`` bytes each)
+    key_len: int
+    num_tokens: int
+    pinned: int | None  # a kvtier.index.Tier value, or None
+    created: float
+    last_use: float
+    token_ids: bytes | None = None  # little-endian uint32; None on upsert: keep the stored ones
+
+    def crc(self) -> int:
+        h = xxhash.xxh3_64()
+        h.update(self.session_id.encode())
+        h.update(self.namespace)
+        h.update(self.keys)
+        h.update(f"{self.key_len}|{self.num_tokens}|{self.pinned}|{self.created!r}|{self.last_use!r}".encode())
+        return _signed(h.intdigest())
+
+
+def _signed(value: int) -> int:  # SQLite integers are signed 64-bit
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def catalog_dir(nvme_dir: str | os.PathLike) -> Path:
+    return Path(nvme_dir) / "catalog"
+
+
+def held_locks(nvme_dir: str | os.PathLike) -> list[tuple[Path, str]]:
+    """Catalog lock files under ``nvme_dir`` that a live process holds: (path, holder pid)."""
+    held = []
+    directory = catalog_dir(nvme_dir)
+    if not directory.is_dir():
+        return held
+    for lock in sorted(directory.glob("*.lock")):
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            held.append((lock, _read_pid(lock)))
+        finally:
+            os.close(fd)
+    return held
+
+
+def _read_pid(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+class Catalog:
+    """One model's sessions in one NVMe directory. Thread-safe (one connection, one lock)."""
+
+    def __init__(self, nvme_dir: str | os.PathLike, fingerprint: ModelFingerprint):
+        self.fingerprint = fingerprint
+        directory = catalog_dir(nvme_dir)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CatalogError(f"cannot create the session catalog directory {directory}: {exc.strerror}",
+                               hint="check that the NVMe directory is writable") from exc
+        self.path = directory / f"{fingerprint.hex}.sqlite"
+        self.warnings: list[str] = []  # what opening found and fixed (moved-aside files, bad rows)
+        self.bad_rows = 0
+        self._lock = threading.Lock()
+        self._lock_fd = self._take_lock(self.path.with_suffix(".lock"))
+        try:
+            self._db = self._open_checked()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    # ---- opening ------------------------------------------------------------------------------
+    def _take_lock(self, path: Path) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CatalogLockedError(
+                    f"the session catalog {self.path} is in use by another kvtier server (pid {_read_pid(path)})",
+                    hint="give each server its own --nvme-dir, or stop the other one first") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+
+    def _open_checked(self) -> sqlite3.Connection:
+        try:
+            return self._open()
+        except (sqlite3.DatabaseError, _Foreign) as exc:
+            reason = str(exc) if isinstance(exc, _Foreign) else f"unreadable ({exc})"
+            aside = self._move_aside()
+            message = f"session catalog {self.path.name} was {reason}: moved to {aside.name}, started a new one"
+            log.warning("kvtier: %s", message)
+            self.warnings.append(message)
+            return self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            meta = dict(db.execute("SELECT key, value FROM meta"))
+            if not meta:
+                db.executemany("INSERT INTO meta VALUES (?, ?)", [
+                    ("schema", str(SCHEMA_VERSION)), ("fingerprint", self.fingerprint.hex),
+                    ("model", json.dumps(self.fingerprint.to_dict(), sort_keys=True)),
+                    ("created", str(time.time()))])
+            elif meta.get("schema") != str(SCHEMA_VERSION):
+                raise _Foreign(f"written by another kvtier version (schema {meta.get('schema')!r}, "
+                               f"this one reads {SCHEMA_VERSION})")
+            elif meta.get("fingerprint") != self.fingerprint.hex:
+                raise _Foreign(f"written for another model ({str(meta.get('fingerprint'))[:12]}, "
+                               f"this engine serves {self.fingerprint.hex[:12]})")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _move_aside(self) -> Path:
+        aside = self.path.with_name(f"{self.path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        for suffix in ("", "-wal", "-shm"):
+            source = Path(f"{self.path}{suffix}")
+            if source.exists():
+                os.replace(source, Path(f"{aside}{suffix}"))
+        return aside
+
+    # ---- reads --------------------------------------------------------------------------------
+    def load(self) -> list[SessionRecord]:
+        """Every session whose row checks out (token ids are read on demand: ``token_ids``)."""
+        with self._lock:
+            try:
+                rows = self._db.execute(
+                    "SELECT session_id, namespace, keys, key_len, num_tokens, pinned, created, last_use, crc "
+                    "FROM sessions").fetchall()
+            except sqlite3.DatabaseError as exc:
+                return self._recover(exc)
+        records = []
+        for session_id, namespace, keys, key_len, num_tokens, pinned, created, last_use, crc in rows:
+            try:
+                record = SessionRecord(session_id, bytes(namespace), bytes(keys), int(key_len), int(num_tokens),
+                                       None if pinned is None else int(pinned), float(created), float(last_use))
+                ok = record.crc() == crc and key_len > 0 and len(keys) % key_len == 0
+            except (TypeError, ValueError, AttributeError):
+                ok = False
+            if not ok:
+                self.bad_rows += 1
+                continue
+            records.append(record)
+        if self.bad_rows:
+            message = f"session catalog: {self.bad_rows} damaged rows skipped (those sessions are not listed)"
+            log.warning("kvtier: %s", message)
+            self.warnings.append(message)
+        return records
+
+    def _recover(self, exc: Exception) -> list[SessionRecord]:
+        """The file broke after it was opened (a corrupted page): start over with an empty one."""
+        self._db.close()
+        aside = self._move_aside()
+        message = f"session catalog {self.path.name} was unreadable ({exc}): moved to {aside.name}, started a new one"
+        log.warning("kvtier: %s", message)
+        self.warnings.append(message)
+        self._db = self._open()
+        return []
+
+    def token_ids(self, session_id: str) -> bytes | None:
+        """The session's stored token ids (little-endian uint32), or None if absent or damaged."""
+        with self._lock:
+            try:
+                row = self._db.execute("SELECT token_ids, tokens_crc FROM sessions WHERE session_id = ?",
+                                       (session_id,)).fetchone()
+            except sqlite3.DatabaseError:
+                return None
+        if row is None or row[0] is None:
+            return None
+        data = bytes(row[0])
+        return data if _signed(xxhash.xxh3_64_intdigest(data)) == row[1] else None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT count(*) FROM sessions").fetchone()[0])
+
+    # ---- writes -------------------------------------------------------------------------------
+    def write(self, upserts: Sequence[SessionRecord], deletes: Iterable[str] = ()) -> None:
+        """One transaction: insert or update ``upserts`` (keeping stored token ids where a record has
+        none), delete ``deletes``."""
+        rows = [(r.session_id, r.namespace, r.key_len, r.keys, r.num_tokens, r.pinned, r.created, r.last_use, r.crc(),
+                 r.token_ids, None if r.token_ids is None else _signed(xxhash.xxh3_64_intdigest(r.token_ids)))
+                for r in upserts]
+        deletes = [(d,) for d in deletes]
+        if not rows and not deletes:
+            return
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany(
+                    "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(session_id) DO UPDATE SET "
+                    "namespace=excluded.namespace, key_len=excluded.key_len, keys=excluded.keys, "
+                    "num_tokens=excluded.num_tokens, pinned=excluded.pinned, created=excluded.created, "
+                    "last_use=excluded.last_use, crc=excluded.crc, "
+                    "token_ids=coalesce(excluded.token_ids, sessions.token_ids), "
+                    "tokens_crc=CASE WHEN excluded.token_ids IS NULL THEN sessions.tokens_crc "
+                    "ELSE excluded.tokens_crc END", rows)
+                db.executemany("DELETE FROM sessions WHERE session_id = ?", deletes)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._db.close()
+            finally:
+                if self._lock_fd >= 0:
+                    os.close(self._lock_fd)
+                    self._lock_fd = -1
+
+
+class _Foreign(Exception):
+    """The file is a valid catalog, but not this version's or this model's."""
+
+
+def encode_tokens(token_ids) -> bytes:
+    import numpy as np
+
+    return np.asarray(token_ids, dtype=_TOKEN_DTYPE).tobytes()
+
+
+def decode_tokens(data: bytes):
+    import numpy as np
+
+    return np.frombuffer(data, dtype=_TOKEN_DTYPE).astype(np.uint32)
