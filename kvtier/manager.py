@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 from collections import Counter
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -92,6 +93,7 @@ class TierManager(SessionOps):
         self.catalog = catalog
         self._catalog_dirty: set[str] = set()  # sessions changed since the last sync_catalog
         self._catalog_gone: set[str] = set()  # sessions dropped since then
+        self._catalog_order = threading.Lock()  # one batch copied and written at a time
         if catalog is not None:
             self._read_catalog(catalog)
 
@@ -266,9 +268,16 @@ class TierManager(SessionOps):
         self.counters["catalog_rows_written"] += len(upserts)
         return True
 
-    def sync_catalog(self) -> bool:
-        """Batch and write in one call (single-threaded users: the in-process engine, tests)."""
-        return self.write_catalog(self.catalog_batch())
+    def sync_catalog(self, lock=None) -> bool:
+        """Write the sessions that changed since the last call. ``lock``: the engine's lock, held
+        only to copy them. Calls are serialized end to end, so a batch copied earlier is never
+        written after one copied later (a pin must not be overwritten by the state before it)."""
+        if self.catalog is None:
+            return True
+        with self._catalog_order:
+            with lock if lock is not None else contextlib.nullcontext():
+                batch = self.catalog_batch()
+            return self.write_catalog(batch, lock)
 
     def session(self, session_id: str) -> Session:
         validate_session_id(session_id)

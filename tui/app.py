@@ -139,6 +139,11 @@ class TiersPanel(Panel):
                          for name, rate in snap.hit_rates)
         text.append("hits ", style="bold")
         text.append(hits or "N/A")
+        if snap.dirty_bytes is not None:  # what a crash would lose: DRAM blocks not yet on NVMe
+            text.append("  not on NVMe ", style="bold")
+            age = f" {snap.dirty_age_s:.0f}s" if snap.dirty_bytes and snap.dirty_age_s is not None else ""
+            text.append(f"{short_bytes(snap.dirty_bytes)}{age}",
+                        style="yellow" if snap.dirty_bytes and (snap.dirty_age_s or 0) > 30 else "")
         return text
 
 

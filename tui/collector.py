@@ -112,7 +112,8 @@ class Collector:
             snapshot_dir=status.get("snapshot_dir"), tiers=_tiers(status["tiers"]), links=links,
             hit_rates=_hit_rates(status.get("counters", {}), int(status.get("block_tokens") or 0)),
             sessions=self._sessions(sessions), jobs=tuple(_job(j) for j in jobs[:50]),
-            gpu=self.nvml.name,
+            gpu=self.nvml.name, dirty_bytes=(status.get("dirty") or {}).get("dirty_bytes"),
+            dirty_age_s=(status.get("dirty") or {}).get("dirty_age_s"),
         )
 
     def _sessions(self, answer: list[dict]) -> tuple[SessionRow, ...]:

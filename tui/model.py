@@ -84,6 +84,8 @@ class Snapshot:
     sessions: tuple[SessionRow, ...] = ()
     jobs: tuple[JobRow, ...] = ()
     gpu: str | None = None
+    dirty_bytes: int | None = None  # DRAM KV with no NVMe copy yet (a crash would lose it)
+    dirty_age_s: float | None = None  # age of the oldest such block
     version: int = field(default=SNAPSHOT_VERSION)
 
     def to_json(self) -> str:

@@ -245,6 +245,19 @@ def bench_faults(
                    lambda progress: run_faults_bench(quick=quick, progress=progress, vllm=vllm), json_out)
 
 
+@bench_app.command("restart")
+@handle_errors
+def bench_restart(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quick: bool = typer.Option(False, "--quick", help="2k-token sessions, a 3 s write-behind window, one A/B round."),
+) -> None:
+    """Sessions across a stop and a SIGKILL of real kvtier serve processes; catalog start-up; overhead."""
+    from kvtier.plugins.vllm.bench_restart import RESTART_KEYS, run_restart_bench
+
+    run_vllm_bench("kvtier bench restart", RESTART_KEYS,
+                   lambda progress: run_restart_bench(quick=quick, progress=progress), json_out)
+
+
 @bench_app.command("top")
 @handle_errors
 def bench_top(

@@ -139,6 +139,7 @@ def _write(ops: "Ops", kind: str, session: str | None, plan) -> tuple[int, dict]
             ops.manager.session(session)  # 404 before 409
             ops._check_free(session)
         record = ops._submit(kind, session, plan())
+    ops.manager.sync_catalog(ops.lock)  # a pin (or a drop) is in the session catalog before the answer
     if record.state == "queued":
         ops.wake()
     return 202, record.to_dict()
@@ -191,6 +192,7 @@ def _restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
     with ops.lock:
         ops._check_free(info.session_id)
         record = ops._submit("restore", info.session_id, ops.manager.prepare_restore(info, tier))
+    ops.manager.sync_catalog(ops.lock)
     if record.state == "queued":
         ops.wake()
     return 202, record.to_dict()

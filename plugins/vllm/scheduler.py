@@ -92,7 +92,8 @@ class KVTierScheduler:
             records = scanner.scan()
             removed = scanner.removed_at_scan
             scanner.close()
-        self.catalog, catalog_problem = self._open_catalog(cold_dir, fingerprint)
+        use_catalog = str(extra.get("catalog", "true")).lower() not in ("0", "false", "no", "off")
+        self.catalog, catalog_problem = self._open_catalog(cold_dir if use_catalog else None, fingerprint)
         self.manager = TierManager(
             fingerprint,
             dram_bytes=int(extra.get("dram_bytes", 4 << 30)),
@@ -158,11 +159,9 @@ class KVTierScheduler:
         written blocks behind, so their state (and status's dirty count) comes back."""
         poked_at = 0.0
         while not self._stopping.wait(every_s):
+            self.manager.sync_catalog(self.lock)
             with self.lock:
-                batch = self.manager.catalog_batch() if self.catalog is not None else ([], [])
                 dirty_age = self.manager.dirty_stats()["dirty_age_s"] if self.write_behind_s is not None else 0.0
-            if batch[0] or batch[1]:
-                self.manager.write_catalog(batch, self.lock)
             window = self.write_behind_s
             if window is not None and dirty_age > window + 2 * every_s and self._idle_for() > every_s \
                     and time.monotonic() - poked_at > max(window, 2.0):
@@ -170,11 +169,7 @@ class KVTierScheduler:
                 self.poke()
 
     def flush_catalog(self) -> None:
-        if self.catalog is None:
-            return
-        with self.lock:
-            batch = self.manager.catalog_batch()
-        self.manager.write_catalog(batch, self.lock)
+        self.manager.sync_catalog(self.lock)
 
     def _cost_model(self, extra: dict, nvme_dir: str | None) -> CostModel:
         """Measured link rates (at start; ``link_gbps`` caps them) and a prefill model that the

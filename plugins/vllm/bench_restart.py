@@ -1,0 +1,260 @@
+"""``kvtier bench restart``: do sessions survive a stop, a SIGKILL, and what does it cost?
+
+Real ``kvtier serve`` processes on the demo model, one NVMe directory throughout:
+
+1. **Stop.** Three sessions; ``s-pinned`` is pinned to NVMe, ``s-warm`` stays in DRAM, ``s-cold`` is
+   evicted to NVMe. Ctrl-C (SIGINT: kvtier flushes, then stops vLLM), start again: are the sessions
+   listed (``sessions_listed_after_stop``), is the pin kept (``pins_kept_after_stop``), does each next
+   turn load >= 90% of its full blocks (``loaded_after_stop``) with the same greedy text
+   (``outputs_identical``, over every turn after a restart)?
+2. **SIGKILL.** A fourth session, older than the write-behind window, then SIGKILL of the whole
+   process group (no flush, no shutdown hook): is it listed and loaded after a start
+   (``loaded_after_sigkill``)?
+3. **Catalog start-up** with 100,000 sessions, page cache dropped (``catalog_start_ms_100k_sessions``).
+4. **Serving overhead**: prefill throughput of in-process engines with the catalog and write-behind
+   on vs off, alternating, same prompts (``serving_overhead`` = 1 - on/off; <= 0 is no cost).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+from kvtier.plugins.vllm.bench_faults import free_port, wait_ready
+
+__all__ = ["RESTART_KEYS", "run_restart_bench", "catalog_start_ms"]
+
+RESTART_KEYS = ("sessions_listed_after_stop", "pins_kept_after_stop", "loaded_after_stop", "outputs_identical",
+                "loaded_after_sigkill", "catalog_start_ms_100k_sessions", "serving_overhead")
+BLOCK = 128  # the CPU backend's block size (tokens)
+
+
+def _prompt(seed: int, tokens: int) -> list[int]:
+    return [3 + (i * 131 + seed * 7919) % 1900 for i in range(tokens)]
+
+
+class Server:
+    """One ``kvtier serve`` process with a private admin socket."""
+
+    def __init__(self, model: str, base: Path, name: str, tokens: int, write_behind: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = base / f"{name}.log"
+        self.env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(base), VLLM_CPU_KVCACHE_SPACE="1",
+                        VLLM_CACHE_ROOT=str(base / "vllm-cache"), PYTHONUNBUFFERED="1",
+                        XDG_RUNTIME_DIR=str(base / "run"), KVTIER_SNAPSHOT_DIR=str(base / "snapshots"))
+        (base / "run").mkdir(exist_ok=True)
+        self.socket = str(base / "run" / "kvtier.sock")
+        cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", model, "--port", str(self.port),
+               "--dram", "1GiB", "--nvme-dir", str(base / "nvme"), "--nvme", "8GiB",
+               "--write-behind", write_behind,
+               "--", "--max-model-len", str(tokens + 512), "--enforce-eager", "--served-model-name", "tiny",
+               "--max-num-seqs", "1"]
+        self.log = open(self.log_path, "w")
+        started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        wait_ready(self.url, self.proc, self.log_path)
+        self.start_s = time.perf_counter() - started
+
+    def admin(self):
+        from kvtier.control.client import AdminClient
+
+        return AdminClient(self.socket, timeout=60)
+
+    def turn(self, session: str, prompt: list[int]) -> dict:
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", "X-Session-ID": session})
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            doc = json.loads(response.read())
+        kvtier = (doc.get("kv_transfer_params") or {}).get("kvtier") or {}
+        return {"text": doc["choices"][0]["text"], "loaded": int(kvtier.get("loaded_tokens") or 0),
+                "seconds": time.perf_counter() - started}
+
+    def stop(self, sig: int = signal.SIGINT) -> float:
+        started = time.perf_counter()
+        if sig == signal.SIGKILL:  # the whole server: kvtier serve and vLLM (in its own process group)
+            import psutil
+
+            family = psutil.Process(self.proc.pid).children(recursive=True)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            for proc in family:
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(family, timeout=30)
+        else:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+        return time.perf_counter() - started
+
+
+def _full_tokens(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK * BLOCK  # kvtier never claims the last prompt token
+
+
+def _restart_phases(model: str, base: Path, tokens: int, window: float, say: Callable[[str], None]) -> dict:
+    prompts = {name: _prompt(seed, tokens) for seed, name in enumerate(("s-pinned", "s-warm", "s-cold", "s-crash"))}
+    first, out = {}, {}
+    server = Server(model, base, "serve-1", tokens, str(window))
+    try:
+        say(f"server 1 up in {server.start_s:.0f} s; three sessions of {tokens:,} tokens")
+        for name in ("s-pinned", "s-warm", "s-cold"):
+            first[name] = server.turn(name, prompts[name])
+        admin = server.admin()
+        from kvtier.control.client import AdminClient
+
+        admin.wait(admin.post(AdminClient.session_path("s-pinned", "pin"), {"tier": "nvme"}), timeout=120)
+        admin.wait(admin.post(AdminClient.session_path("s-cold", "evict"), {"to": "nvme"}), timeout=120)
+        admin.close()
+    finally:
+        out["_stop_s"] = server.stop(signal.SIGINT)
+    log = server.log_path.read_text()
+    out["_flush_on_stop"] = next((line.split("kvtier: ", 1)[1] for line in log.splitlines()
+                                  if "kvtier: flushed" in line or "already has an NVMe copy" in line), "none")
+    say(f"stopped with Ctrl-C in {out['_stop_s']:.1f} s ({out['_flush_on_stop']})")
+
+    server = Server(model, base, "serve-2", tokens, str(window))
+    identical, loaded_ok = [], []
+    try:
+        admin = server.admin()
+        listed = {s["session_id"]: s for s in admin.get("/v1/sessions")["sessions"]}
+        status = admin.get("/v1/status")
+        out["_catalog_start_ms_3_sessions"] = (status.get("catalog") or {}).get("start_ms")
+        names = ("s-pinned", "s-warm", "s-cold")
+        out["sessions_listed_after_stop"] = sum(
+            1 for n in names if n in listed and listed[n]["blocks_nvme"] * BLOCK >= 0.9 * _full_tokens(prompts[n])
+        ) / len(names)
+        out["pins_kept_after_stop"] = 1.0 if (listed.get("s-pinned") or {}).get("pinned") == "nvme" else 0.0
+        say(f"server 2 up in {server.start_s:.0f} s: listed "
+            + ", ".join(f"{n} ({listed[n]['state']})" for n in names if n in listed))
+        for name in names:
+            again = server.turn(name, prompts[name])
+            identical.append(again["text"] == first[name]["text"])
+            loaded_ok.append(again["loaded"] >= 0.9 * _full_tokens(prompts[name]))
+            out[f"_ttft_{name}_first_s"] = first[name]["seconds"]
+            out[f"_ttft_{name}_after_stop_s"] = again["seconds"]
+        out["loaded_after_stop"] = sum(loaded_ok) / len(loaded_ok)
+        say(f"next turns after the stop: {sum(loaded_ok)}/3 loaded, {sum(identical)}/3 identical")
+        first["s-crash"] = server.turn("s-crash", prompts["s-crash"])
+        time.sleep(window + 3)  # older than the write-behind window
+        admin.close()
+    finally:
+        out["_sigkill_s"] = server.stop(signal.SIGKILL)
+    say(f"a fourth session, {window + 3:.0f} s old, then SIGKILL of the whole server")
+
+    server = Server(model, base, "serve-3", tokens, str(window))
+    try:
+        admin = server.admin()
+        listed = {s["session_id"] for s in admin.get("/v1/sessions")["sessions"]}
+        admin.close()
+        again = server.turn("s-crash", prompts["s-crash"])
+        identical.append(again["text"] == first["s-crash"]["text"])
+        crash_ok = "s-crash" in listed and again["loaded"] >= 0.9 * _full_tokens(prompts["s-crash"])
+        out["loaded_after_sigkill"] = 1.0 if crash_ok else 0.0
+        out["_ttft_s-crash_after_sigkill_s"] = again["seconds"]
+        out["_loaded_tokens_after_sigkill"] = again["loaded"]
+    finally:
+        server.stop(signal.SIGINT)
+    out["outputs_identical"] = sum(identical) / len(identical)
+    say(f"after SIGKILL: s-crash {'listed' if 's-crash' in listed else 'NOT listed'}, "
+        f"{again['loaded']:,} tokens loaded; outputs identical {sum(identical)}/{len(identical)}")
+    return out
+
+
+def catalog_start_ms(sessions: int, directory: Path, blocks: int = 16, say: Callable[[str], None] = print) -> dict:
+    """Start-up read of a catalog of ``sessions`` sessions (``blocks`` keys and 16 tokens a block each),
+    its file's page cache dropped first: the manager's constructor, as a restart runs it."""
+    from kvtier.bench.tiers import drop_page_cache
+    from kvtier.catalog import Catalog, SessionRecord, encode_tokens
+    from kvtier.index import namespace_of
+    from kvtier.layout import KVGeometry, ModelFingerprint
+    from kvtier.manager import TierManager
+
+    fingerprint = ModelFingerprint("bench-catalog", KVGeometry(32, 8, 128, 16, "bfloat16"), "w")
+    ns = namespace_of(fingerprint.digest)
+    catalog = Catalog(directory, fingerprint)
+    tokens = encode_tokens(range(blocks * 16))
+    now = time.time()
+    for start in range(0, sessions, 10_000):
+        catalog.write([SessionRecord(f"agent-{i}", ns, os.urandom(32 * blocks), 32, blocks * 16, None, now, now + i,
+                                     tokens) for i in range(start, min(sessions, start + 10_000))])
+    catalog.close()
+    size = sum(p.stat().st_size for p in (directory / "catalog").glob("*.sqlite*"))
+    drop_page_cache(directory / "catalog")
+    started = time.perf_counter()
+    catalog = Catalog(directory, fingerprint)
+    manager = TierManager(fingerprint, 1 << 20, catalog=catalog)
+    elapsed = (time.perf_counter() - started) * 1000
+    listed = len(manager.sessions)
+    started = time.perf_counter()
+    manager.session_state_counts()  # the first `kvtier status`: splits every session's keys
+    first_status = (time.perf_counter() - started) * 1000
+    catalog.close()
+    say(f"catalog of {listed:,} sessions ({size / 2**20:.0f} MiB) read at start in {elapsed:.0f} ms "
+        f"(first status after it: {first_status:.0f} ms)")
+    return {"catalog_start_ms_100k_sessions": elapsed if sessions == 100_000 else None,
+            "_catalog_sessions": listed, "_catalog_mib": size / 2**20, "_catalog_first_status_ms": first_status}
+
+
+def serving_overhead(model: str, base: Path, rounds: int, prompts: int, tokens: int,
+                     say: Callable[[str], None] = print) -> dict:
+    """Prefill tokens/s of in-process engines with catalog + write-behind (10 s) on, then off,
+    ``rounds`` times (on, off, on, off...), each over the same ``prompts`` distinct prompts."""
+    from kvtier.plugins.vllm.harness import Engine, cpu_environment
+
+    cpu_environment(str(base / "vllm"))
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    written = 0
+    for r in range(rounds):
+        for mode in ("on", "off"):
+            extra = {"synchronous": False, "write_behind": "10"} if mode == "on" else \
+                {"synchronous": False, "write_behind": "off", "catalog": False}
+            engine = Engine(model, kvtier=True, nvme_dir=base / f"nvme-{mode}-{r}", max_len=tokens + 256, extra=extra)
+            try:
+                engine.generate([5, 6, 7], 1)  # warm-up
+                started = time.perf_counter()
+                for p in range(prompts):
+                    engine.generate(_prompt(100 + p, tokens), 1)
+                rates[mode].append(prompts * tokens / (time.perf_counter() - started))
+                if mode == "on":
+                    time.sleep(0.5)
+                    written = engine.manager.counters.get("written_behind_blocks", 0)
+            finally:
+                engine.close()
+            say(f"round {r + 1} {mode}: {rates[mode][-1]:,.0f} prefill tokens/s")
+    on, off = sum(rates["on"]) / rounds, sum(rates["off"]) / rounds
+    return {"serving_overhead": 1 - on / off, "_prefill_tokens_s_on": on, "_prefill_tokens_s_off": off,
+            "_written_behind_blocks_last_round": written}
+
+
+def run_restart_bench(quick: bool = False, progress: Callable[[str], None] = print, model: str | None = None) -> dict:
+    from kvtier.demo_model import ensure_demo_model
+
+    model = str(model or ensure_demo_model("tiny", progress=progress))
+    tokens, window = (2048, 3.0) if quick else (8192, 10.0)
+    out: dict = {"_tokens_per_session": tokens, "_write_behind_s": window}
+    with tempfile.TemporaryDirectory(prefix="kvtier-restart-") as tmp:
+        base = Path(tmp)
+        for sub in ("serve", "catalog", "overhead"):
+            (base / sub).mkdir()
+        out.update(_restart_phases(model, base / "serve", tokens, window, progress))
+        out.update(catalog_start_ms(100_000, base / "catalog", blocks=8 if quick else 16, say=progress))
+        out.update(serving_overhead(model, base / "overhead", rounds=1 if quick else 2, prompts=3 if quick else 4,
+                                    tokens=2048 if quick else 4096, say=progress))
+    return out
