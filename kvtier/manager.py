@@ -17,6 +17,7 @@ fits and skips the rest: normal pressure, not an error; vLLM recomputes what was
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import threading
 import time
@@ -28,7 +29,8 @@ import numpy as np
 from kvtier.errors import NotFoundError, UsageError
 from kvtier.codecs import get_codec, resolve_codec
 from kvtier.decide import worth_keeping
-from kvtier.index import FIRST, IN_DRAM, IN_NVME, PENDING, BlockIndex, Session, Tier, validate_session_id
+from kvtier.index import (FIRST, IN_DRAM, IN_NVME, PENDING, _SESSION_ID, BlockIndex, Session, Tier,
+                          validate_session_id)
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint
 from kvtier.manager_ops import SessionOps
@@ -192,17 +194,21 @@ class TierManager(SessionOps):
     def _read_catalog(self, catalog: "Catalog") -> None:
         """Sessions of an earlier run: listed at once (cold where their blocks are on NVMe), pins kept."""
         started = time.perf_counter()
-        records = catalog.load()
-        for record in records:
-            try:
-                validate_session_id(record.session_id)
-                pinned = Tier(record.pinned) if record.pinned is not None else None
-            except (UsageError, ValueError):
-                catalog.bad_rows += 1
-                continue
-            self.sessions[record.session_id] = Session.from_blob(
-                record.session_id, record.namespace, record.keys, record.key_len, num_tokens=record.num_tokens,
-                last_use=record.last_use, created=record.created, pinned=pinned)
+        tiers: dict = {int(t): t for t in Tier}
+        tiers[None] = None
+        sessions, from_row, valid = self.sessions, Session.from_row, _SESSION_ID.match
+        collecting = gc.isenabled()
+        gc.disable()  # hundreds of thousands of acyclic objects: the cyclic collector would rescan them
+        try:
+            for row in catalog.load():
+                pinned = tiers.get(row[5], -1)
+                if pinned == -1 or not valid(row[0]):
+                    catalog.bad_rows += 1
+                    continue
+                sessions[row[0]] = from_row(row, pinned)
+        finally:
+            if collecting:
+                gc.enable()
         pin = self.index.col["pin"]
         for session in self.sessions.values():  # a block takes the hottest pin of the sessions holding it
             if session.pinned is not None:

@@ -244,9 +244,8 @@ def test_a_damaged_row_is_skipped_not_misread(fingerprint, hbm, tmp_path):
     seeded(fingerprint, hbm, tmp_path)
     path = catalog_path(tmp_path, fingerprint)
     with sqlite3.connect(path) as db:  # another session whose row was altered behind the checksum
-        db.execute("INSERT INTO sessions SELECT 'forged', namespace, key_len, keys, num_tokens + 1, pinned, created, "
-                   "last_use, crc, token_ids, tokens_crc FROM sessions WHERE session_id = 'agent'")
-        db.execute("UPDATE sessions SET token_ids = zeroblob(8) WHERE session_id = 'agent'")
+        db.execute("INSERT INTO sessions SELECT 'forged', ns, keys, meta FROM sessions WHERE session_id = 'agent'")
+        db.execute("UPDATE tokens SET data = zeroblob(8) WHERE session_id = 'agent'")
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     assert set(engine.manager.sessions) == {"agent"}
     assert "1 damaged rows skipped" in engine.manager.warnings["catalog"]

@@ -293,13 +293,23 @@ FAKE_SERVER = textwrap.dedent("""
 """)
 
 KVTIER = textwrap.dedent("""
-    import sys
+    import os, sys, time
     from kvtier.serve import run_server
     fake, port, pid_file, ignore_term = sys.argv[1:5]
     cmd = [sys.executable, fake, port, pid_file, ignore_term]
     say = lambda msg: print(msg, flush=True)
+
+    def flush():  # stands in for kvtier's flush through the admin API: vLLM must still be up
+        server_pid = int(open(pid_file).read().split()[0])
+        os.kill(server_pid, 0)
+        say(f"flushing while vLLM runs (pid {server_pid})")
+        time.sleep(float(os.environ["FAKE_FLUSH_S"]))
+        say("flushed")
+
+    before_stop = flush if os.environ.get("FAKE_FLUSH_S") else None
     sys.exit(run_server(cmd, None, f"http://127.0.0.1:{port}/v1", "/tmp/kvtier-test/kvtier.sock",
-                        say=say, grace_s=1.5, poll_s=0.1))
+                        say=say, grace_s=1.5, poll_s=0.1, before_stop=before_stop,
+                        stop_timeout_s=float(os.environ.get("FAKE_STOP_TIMEOUT", "60"))))
 """)
 
 
@@ -311,7 +321,7 @@ def gone(pid: int) -> bool:
         return True
 
 
-def run_fake(tmp_path, ignore_term: bool):
+def run_fake(tmp_path, ignore_term: bool, env: dict | None = None):
     (tmp_path / "fake.py").write_text(FAKE_SERVER)
     (tmp_path / "kvtier_serve.py").write_text(KVTIER)
     pid_file = tmp_path / "pids"
@@ -319,7 +329,7 @@ def run_fake(tmp_path, ignore_term: bool):
     proc = subprocess.Popen(
         [sys.executable, str(tmp_path / "kvtier_serve.py"), str(tmp_path / "fake.py"), str(port),
          str(pid_file), "1" if ignore_term else "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
     lines = []
     try:
         for line in proc.stdout:
@@ -350,6 +360,20 @@ def test_run_server_forwards_sigterm_and_leaves_nothing(tmp_path):
     code, lines = run_fake(tmp_path, ignore_term=False)
     assert code == 0, lines
     assert lines[-1] == "stopped"
+
+
+def test_run_server_flushes_before_it_stops_vllm(tmp_path):
+    code, lines = run_fake(tmp_path, ignore_term=False, env={"FAKE_FLUSH_S": "0.5"})
+    assert code == 0, lines
+    flushing = next(i for i, line in enumerate(lines) if line.startswith("flushing while vLLM runs"))
+    assert lines[flushing + 1:] == ["flushed", "stopped"], lines
+
+
+def test_run_server_stops_vllm_when_the_flush_takes_too_long(tmp_path):
+    code, lines = run_fake(tmp_path, ignore_term=False, env={"FAKE_FLUSH_S": "30", "FAKE_STOP_TIMEOUT": "1"})
+    assert code == 0, lines
+    assert "flush did not finish within 1 s; stopping anyway" in lines and lines[-1] == "stopped"
+    assert "flushed" not in lines
 
 
 def test_run_server_kills_a_server_that_ignores_sigterm(tmp_path):

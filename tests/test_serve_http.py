@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -151,3 +152,36 @@ def test_snapshot_restart_restore_through_the_cli(tiny_model, tmp_path):
         assert hbm["capacity_bytes"] > 0 and hbm["used_bytes"] is not None
     finally:
         assert _stop(server) == 0, (tmp_path / "second.log").read_text()[-3000:]
+
+
+def test_a_sigkilled_server_loses_nothing_older_than_the_write_behind_window(tiny_model, tmp_path):
+    """SIGKILL of kvtier serve and vLLM together (no flush, no shutdown hook): a session older than
+    the write-behind window is listed by the next server and its next turn loads, same text."""
+    import signal as sig
+
+    from kvtier.plugins.vllm.served import Served
+
+    prompt = [3 + (i * 131) % 1900 for i in range(1100)]
+    server = Served(str(tiny_model), tmp_path, "first", 2048, write_behind="1")
+    try:
+        first = server.turn("agent-k", prompt)
+        admin = server.admin()
+        deadline = time.monotonic() + 30  # the worker writes it behind on its own, the engine idle
+        while admin.get("/v1/status")["dirty"]["dirty_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        status = admin.get("/v1/status")
+        admin.close()
+        assert status["dirty"]["dirty_blocks"] == 0, status["dirty"]
+        assert status["counters"]["written_behind_blocks"] >= 1100 // 128
+    finally:
+        server.stop(sig.SIGKILL)
+    server = Served(str(tiny_model), tmp_path, "second", 2048, write_behind="1")
+    try:
+        admin = server.admin()
+        listed = {s["session_id"]: s for s in admin.get("/v1/sessions")["sessions"]}
+        admin.close()
+        assert listed["agent-k"]["state"] == "cold" and listed["agent-k"]["blocks_missing"] == 0
+        again = server.turn("agent-k", prompt)
+        assert again["loaded"] == (1100 - 1) // 128 * 128 and again["text"] == first["text"]
+    finally:
+        server.stop(sig.SIGINT)

@@ -233,16 +233,21 @@ def test_long_prompt_with_chunked_prefill_stores_and_loads(tiny_model, tmp_path)
     close(llm)
 
 
-def test_demo_snapshot_survives_a_restart_and_restores(tiny_model, tmp_path, monkeypatch):
-    # the seed's scenario end to end: serve, snapshot, stop (tiers wiped), new engine, restore, next turn
+def test_demo_restarts_the_real_server_and_the_session_comes_back(tiny_model, tmp_path, monkeypatch):
+    # the seed's scenario end to end over real processes: kvtier serve, a session, snapshot, Ctrl-C,
+    # a new kvtier serve on the same NVMe dir, the session listed at once, its next turn loads
     from kvtier.plugins.vllm import demo
+    from kvtier.snapshot import open_snapshot
 
     monkeypatch.setattr("kvtier.demo_model.ensure_demo_model", lambda size, progress=None: tiny_model)
     lines: list[str] = []
     result = demo.run_demo(tokens=1100, size="tiny", workdir=str(tmp_path), say=lines.append)
-    assert result["loaded_tokens"] >= (1100 // BLOCK) * BLOCK  # the whole snapshot came back
-    assert (tmp_path / "agent-42.kvsnap").exists()
+    assert result["state_after_restart"] == "cold"
+    assert result["loaded_tokens"] >= (1100 // BLOCK) * BLOCK  # every stored block came back
+    snapshot = open_snapshot(tmp_path / "agent-42.kvsnap")
+    assert snapshot.session_id == "agent-42" and len(snapshot.token_ids) == (1100 // BLOCK) * BLOCK
     assert any("faster" in line for line in lines)
+    assert any("flushed" in line or "already has an NVMe copy" in line for line in lines), lines
 
 
 def test_preemption_keeps_outputs_correct(tiny_model, tmp_path):

@@ -332,7 +332,8 @@ def demo(
     size: str = typer.Option("tiny", "--size", help="Demo model: tiny or mid."),
     json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON at the end."),
 ) -> None:
-    """The overnight scenario on real vLLM: long session, snapshot, restart, restore, next turn."""
+    """The overnight scenario on real kvtier serve processes: long session, snapshot, Ctrl-C, a new
+    server on the same NVMe dir, the session listed at once, its next turn loads instead of recomputing."""
     from kvtier.plugins.vllm.demo import run_demo
 
     import contextlib

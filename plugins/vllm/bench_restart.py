@@ -23,11 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from kvtier.plugins.vllm.bench_faults import free_port, wait_ready
+from kvtier.plugins.vllm.served import Served
 
 __all__ = ["RESTART_KEYS", "run_restart_bench", "catalog_start_ms"]
 
@@ -40,70 +39,6 @@ def _prompt(seed: int, tokens: int) -> list[int]:
     return [3 + (i * 131 + seed * 7919) % 1900 for i in range(tokens)]
 
 
-class Server:
-    """One ``kvtier serve`` process with a private admin socket."""
-
-    def __init__(self, model: str, base: Path, name: str, tokens: int, write_behind: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = base / f"{name}.log"
-        self.env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(base), VLLM_CPU_KVCACHE_SPACE="1",
-                        VLLM_CACHE_ROOT=str(base / "vllm-cache"), PYTHONUNBUFFERED="1",
-                        XDG_RUNTIME_DIR=str(base / "run"), KVTIER_SNAPSHOT_DIR=str(base / "snapshots"))
-        (base / "run").mkdir(exist_ok=True)
-        self.socket = str(base / "run" / "kvtier.sock")
-        cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", model, "--port", str(self.port),
-               "--dram", "1GiB", "--nvme-dir", str(base / "nvme"), "--nvme", "8GiB",
-               "--write-behind", write_behind,
-               "--", "--max-model-len", str(tokens + 512), "--enforce-eager", "--served-model-name", "tiny",
-               "--max-num-seqs", "1"]
-        self.log = open(self.log_path, "w")
-        started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        wait_ready(self.url, self.proc, self.log_path)
-        self.start_s = time.perf_counter() - started
-
-    def admin(self):
-        from kvtier.control.client import AdminClient
-
-        return AdminClient(self.socket, timeout=60)
-
-    def turn(self, session: str, prompt: list[int]) -> dict:
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
-        request = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json", "X-Session-ID": session})
-        started = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=600) as response:
-            doc = json.loads(response.read())
-        kvtier = (doc.get("kv_transfer_params") or {}).get("kvtier") or {}
-        return {"text": doc["choices"][0]["text"], "loaded": int(kvtier.get("loaded_tokens") or 0),
-                "seconds": time.perf_counter() - started}
-
-    def stop(self, sig: int = signal.SIGINT) -> float:
-        started = time.perf_counter()
-        if sig == signal.SIGKILL:  # the whole server: kvtier serve and vLLM (in its own process group)
-            import psutil
-
-            family = psutil.Process(self.proc.pid).children(recursive=True)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            for proc in family:
-                try:
-                    proc.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            psutil.wait_procs(family, timeout=30)
-        else:
-            self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
-        return time.perf_counter() - started
-
-
 def _full_tokens(prompt: list[int]) -> int:
     return (len(prompt) - 1) // BLOCK * BLOCK  # kvtier never claims the last prompt token
 
@@ -111,7 +46,7 @@ def _full_tokens(prompt: list[int]) -> int:
 def _restart_phases(model: str, base: Path, tokens: int, window: float, say: Callable[[str], None]) -> dict:
     prompts = {name: _prompt(seed, tokens) for seed, name in enumerate(("s-pinned", "s-warm", "s-cold", "s-crash"))}
     first, out = {}, {}
-    server = Server(model, base, "serve-1", tokens, str(window))
+    server = Served(model, base, "serve-1", tokens + 512, str(window))
     try:
         say(f"server 1 up in {server.start_s:.0f} s; three sessions of {tokens:,} tokens")
         for name in ("s-pinned", "s-warm", "s-cold"):
@@ -129,7 +64,7 @@ def _restart_phases(model: str, base: Path, tokens: int, window: float, say: Cal
                                   if "kvtier: flushed" in line or "already has an NVMe copy" in line), "none")
     say(f"stopped with Ctrl-C in {out['_stop_s']:.1f} s ({out['_flush_on_stop']})")
 
-    server = Server(model, base, "serve-2", tokens, str(window))
+    server = Served(model, base, "serve-2", tokens + 512, str(window))
     identical, loaded_ok = [], []
     try:
         admin = server.admin()
@@ -158,7 +93,7 @@ def _restart_phases(model: str, base: Path, tokens: int, window: float, say: Cal
         out["_sigkill_s"] = server.stop(signal.SIGKILL)
     say(f"a fourth session, {window + 3:.0f} s old, then SIGKILL of the whole server")
 
-    server = Server(model, base, "serve-3", tokens, str(window))
+    server = Served(model, base, "serve-3", tokens + 512, str(window))
     try:
         admin = server.admin()
         listed = {s["session_id"] for s in admin.get("/v1/sessions")["sessions"]}
@@ -184,7 +119,6 @@ def catalog_start_ms(sessions: int, directory: Path, blocks: int = 16, say: Call
     from kvtier.catalog import Catalog, SessionRecord, encode_tokens
     from kvtier.index import namespace_of
     from kvtier.layout import KVGeometry, ModelFingerprint
-    from kvtier.manager import TierManager
 
     fingerprint = ModelFingerprint("bench-catalog", KVGeometry(32, 8, 128, 16, "bfloat16"), "w")
     ns = namespace_of(fingerprint.digest)
@@ -197,15 +131,23 @@ def catalog_start_ms(sessions: int, directory: Path, blocks: int = 16, say: Call
     catalog.close()
     size = sum(p.stat().st_size for p in (directory / "catalog").glob("*.sqlite*"))
     drop_page_cache(directory / "catalog")
-    started = time.perf_counter()
-    catalog = Catalog(directory, fingerprint)
-    manager = TierManager(fingerprint, 1 << 20, catalog=catalog)
-    elapsed = (time.perf_counter() - started) * 1000
-    listed = len(manager.sessions)
-    started = time.perf_counter()
-    manager.session_state_counts()  # the first `kvtier status`: splits every session's keys
-    first_status = (time.perf_counter() - started) * 1000
-    catalog.close()
+    # a restart is a new process: time it in one (this one's heap is full of the records just written)
+    code = f"""
+import json, time
+from kvtier.catalog import Catalog
+from kvtier.layout import ModelFingerprint
+from kvtier.manager import TierManager
+fingerprint = ModelFingerprint.from_dict({fingerprint.to_dict()!r})
+started = time.perf_counter()
+catalog = Catalog({str(directory)!r}, fingerprint)
+manager = TierManager(fingerprint, 64 << 20, catalog=catalog)
+elapsed = (time.perf_counter() - started) * 1000
+started = time.perf_counter()
+manager.session_state_counts()  # the first `kvtier status`: splits every session's keys
+print(json.dumps([elapsed, (time.perf_counter() - started) * 1000, len(manager.sessions)]))
+"""
+    answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    elapsed, first_status, listed = json.loads(answer.stdout.strip().splitlines()[-1])
     say(f"catalog of {listed:,} sessions ({size / 2**20:.0f} MiB) read at start in {elapsed:.0f} ms "
         f"(first status after it: {first_status:.0f} ms)")
     return {"catalog_start_ms_100k_sessions": elapsed if sessions == 100_000 else None,

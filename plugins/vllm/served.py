@@ -1,0 +1,81 @@
+"""A real ``kvtier serve`` process for the benchmarks and the demo: start, talk, stop or kill."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from kvtier.plugins.vllm.bench_faults import free_port, wait_ready
+
+__all__ = ["Served"]
+
+
+class Served:
+    """One ``kvtier serve`` process (its own admin socket and logs under ``base``; the NVMe tier in
+    ``base/nvme`` unless ``nvme_dir``), ready when constructed. Greedy 8-token completions."""
+
+    def __init__(self, model: str, base: Path, name: str, max_len: int, write_behind: str = "10",
+                 nvme_dir: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = base / f"{name}.log"
+        self.env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(base), VLLM_CPU_KVCACHE_SPACE="1",
+                        VLLM_CACHE_ROOT=str(base / "vllm-cache"), PYTHONUNBUFFERED="1",
+                        XDG_RUNTIME_DIR=str(base / "run"), KVTIER_SNAPSHOT_DIR=str(base / "snapshots"))
+        (base / "run").mkdir(exist_ok=True)
+        self.socket = str(base / "run" / "kvtier.sock")
+        cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", model, "--port", str(self.port),
+               "--dram", "1GiB", "--nvme-dir", str(nvme_dir or base / "nvme"), "--nvme", "8GiB",
+               "--write-behind", write_behind,
+               "--", "--max-model-len", str(max_len), "--enforce-eager", "--served-model-name", "tiny",
+               "--max-num-seqs", "1"]
+        self.log = open(self.log_path, "w")
+        started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        wait_ready(self.url, self.proc, self.log_path)
+        self.start_s = time.perf_counter() - started
+
+    def admin(self):
+        from kvtier.control.client import AdminClient
+
+        return AdminClient(self.socket, timeout=60)
+
+    def turn(self, session: str, prompt: list[int]) -> dict:
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", "X-Session-ID": session})
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            doc = json.loads(response.read())
+        kvtier = (doc.get("kv_transfer_params") or {}).get("kvtier") or {}
+        return {"text": doc["choices"][0]["text"], "loaded": int(kvtier.get("loaded_tokens") or 0),
+                "seconds": time.perf_counter() - started}
+
+    def stop(self, sig: int = signal.SIGINT) -> float:
+        started = time.perf_counter()
+        if sig == signal.SIGKILL:  # the whole server: kvtier serve and vLLM (in its own process group)
+            import psutil
+
+            family = psutil.Process(self.proc.pid).children(recursive=True)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            for proc in family:
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(family, timeout=30)
+        else:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+        return time.perf_counter() - started
