@@ -22,6 +22,7 @@ torch is imported lazily so that ``kvtier --help`` stays fast.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -124,7 +125,7 @@ class ModelFingerprint:
     geometry: KVGeometry
     weights: str = ""  # kvtier.weights.weights_identity of the served weights ("" when unknown)
 
-    @property
+    @functools.cached_property
     def digest(self) -> bytes:
         """16-byte identity of (model, weights, geometry, dtype)."""
         fields = {"model": self.model_id, **self.geometry.to_dict()}

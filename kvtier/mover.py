@@ -171,6 +171,14 @@ class Mover:
                 self.slot_owner.pop(slot, None)
                 self.dirty.pop(slot, None)
 
+    def _write_behind_buffer(self) -> "torch.Tensor":
+        buffer = getattr(self, "_wb_buffer", None)
+        if buffer is None:
+            from kvtier.tiers.dram import aligned_empty
+
+            buffer = self._wb_buffer = aligned_empty(self.arena.slot_bytes)
+        return buffer
+
     def dirty_due(self, max_age_s: float) -> int:
         """How many dirty slots are at least ``max_age_s`` old (pinned sessions' blocks: at once)."""
         cutoff = time.monotonic() - max_age_s
@@ -195,13 +203,15 @@ class Mover:
         with self._slots_lock:
             due = sorted((since, slot) for slot, since in self.dirty.items() if since <= cutoff)[:max_blocks]
         written: list[tuple[bytes, bytes, int, str]] = []
+        bounce = self._write_behind_buffer()
         for _, slot in due:
             with self._slots_lock:
                 owner = self.slot_owner.get(slot)
                 if owner is None or slot not in self.dirty:
                     continue
                 namespace, key, nbytes, codec, first = owner
-                payload = self.arena.slot(slot, nbytes).clone()
+                payload = bounce[:nbytes]  # page-aligned: the store writes it with O_DIRECT, no second copy
+                payload.copy_(self.arena.slot(slot, nbytes))
             move = BlockMove(row=-1, namespace=namespace, key=key, dram_slot=slot, nbytes=nbytes, codec=codec,
                              first=first, to_codec="" if codec == cold_codec else cold_codec)
             try:

@@ -358,3 +358,37 @@ def test_one_client_shared_by_threads(server):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_flush_through_the_cli_and_the_dirty_figures(server):
+    # 1. six blocks are in DRAM only: status, /metrics and the table say so
+    doc = json.loads(cli(server, "status", "--json").output)
+    assert doc["dirty"]["dirty_blocks"] == 6 and doc["dirty"]["dirty_bytes"] > 0
+    assert doc["catalog"]["path"].endswith(".sqlite")
+    assert "not yet on NVMe: " in cli(server, "status").output
+    metrics = AdminClient(server.sock).request("GET", "/metrics", raw=True)
+    assert "kvtier_dirty_blocks 6.0" in metrics
+    # 2. kvtier flush writes them, keeps them in DRAM, and says how much moved
+    result = cli(server, "flush")
+    assert result.exit_code == 0 and "flush: done" in result.output, result.output
+    doc = json.loads(cli(server, "status", "--json").output)
+    assert doc["dirty"] == {"dirty_blocks": 0, "dirty_bytes": 0, "dirty_age_s": 0.0}
+    assert doc["tiers"]["dram"]["blocks"] == 6 and doc["tiers"]["nvme"]["blocks"] == 6
+    assert "kvtier_durable_blocks_total{how=\"flush\"} 6.0" in \
+        AdminClient(server.sock).request("GET", "/metrics", raw=True)
+    # 3. nothing left: done at once; a session that does not exist: not found, with a hint
+    assert json.loads(cli(server, "flush", "--json").output)["state"] == "done"
+    missing = cli(server, "flush", "--session", "nobody")
+    assert missing.exit_code == 4 and "hint:" in missing.output
+
+
+def test_a_pin_is_in_the_catalog_when_the_command_returns(server):
+    import sqlite3
+
+    from kvtier.catalog import _META
+
+    assert cli(server, "pin", "agent-2", "--tier", "nvme").exit_code == 0
+    # read the catalog file as a restart would, while the server still runs
+    with sqlite3.connect(f"file:{server.engine.catalog.path}?mode=ro", uri=True) as db:
+        meta = db.execute("SELECT meta FROM sessions WHERE session_id = 'agent-2'").fetchone()[0]
+    assert _META.unpack_from(meta)[2] == 2  # pinned to Tier.NVME

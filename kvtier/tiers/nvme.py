@@ -242,8 +242,11 @@ class NvmeStore:
                 self._tmp_dir.mkdir(parents=True, exist_ok=True)
                 self.recreated += 1
                 self._write_file(tmp, header, payload, data, size)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except FileNotFoundError:  # its fan-out directory does not exist yet (a mkdir per write is slow)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, final)
         except BaseException as exc:
             try:
                 tmp.unlink(missing_ok=True)

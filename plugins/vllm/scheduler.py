@@ -134,6 +134,7 @@ class KVTierScheduler:
         self._waking = threading.Lock()
         if extra.get("admin_socket"):
             self._start_admin(extra)
+        self.catalog_paused = threading.Event()  # `kvtier bench restart`: the same engine with it off
         threading.Thread(target=self._keep_catalog, args=(float(extra.get("catalog_interval_s", 1.0)),),
                          name="kvtier-catalog", daemon=True).start()
 
@@ -159,6 +160,8 @@ class KVTierScheduler:
         written blocks behind, so their state (and status's dirty count) comes back."""
         poked_at = 0.0
         while not self._stopping.wait(every_s):
+            if self.catalog_paused.is_set():
+                continue
             self.manager.sync_catalog(self.lock)
             with self.lock:
                 dirty_age = self.manager.dirty_stats()["dirty_age_s"] if self.write_behind_s is not None else 0.0

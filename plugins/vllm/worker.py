@@ -10,7 +10,8 @@ each step's metadata and decides nothing:
 * write-behind: a thread of its own gives every DRAM block that has had no NVMe copy for
   ``write_behind`` seconds one (a pinned session's at once), whether or not the engine steps, so
   a crash -- or a vLLM shutdown that kills this process before ``shutdown`` runs -- loses at most
-  that window of new KV. It decides nothing either: it copies what the mover knows it holds.
+  that window of new KV (twice it while forward passes run back to back: the disk and the cores are
+  theirs first). It decides nothing either: it copies what the mover knows it holds.
 Results go back to the scheduler half in the worker metadata of the step that finishes them.
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ from kvtier.tiers.nvme import NvmeStore, file_bytes_for
 from kvtier.plugins.vllm.geometry import layout_name
 
 __all__ = ["KVTierWorker"]
+
+QUIET_S = 0.2  # no forward pass for this long: the engine is idle, write-behind may use the disk
 
 log = logging.getLogger("kvtier.connector")
 
@@ -54,6 +57,8 @@ class KVTierWorker:
         self._caps = parse_link_caps(extra.get("link_gbps"))  # an emulated slow link (demos, benchmarks)
         self._stopping = threading.Event()
         self._writer: threading.Thread | None = None
+        self.write_behind_paused = threading.Event()  # `kvtier bench restart`: the same engine with it off
+        self._in_step, self._step_ended = False, 0.0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = sorted(kv_caches, key=_layer_index)
@@ -93,8 +98,15 @@ class KVTierWorker:
         tick = min(1.0, max(0.05, window / 4))
         while not self._stopping.wait(tick):
             try:
-                while not self._stopping.is_set() and self.mover.dirty_due(window):
-                    written = self.mover.write_behind(window, 32, cold, room)
+                while not self._stopping.is_set() and not self.write_behind_paused.is_set():
+                    # the disk and the cores are the forward pass's while it runs: a busy engine only
+                    # gets the blocks past twice the window (and pinned sessions' at once), in small
+                    # batches; an idle one everything due
+                    idle = self.idle_for() >= QUIET_S
+                    age = window if idle else 2 * window
+                    if not self.mover.dirty_due(age):
+                        break
+                    written = self.mover.write_behind(age, 32 if idle else 4, cold, room)
                     if not written:
                         break
                     self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=True,
@@ -109,7 +121,12 @@ class KVTierWorker:
         self._applied = meta
         self.mover.forget_slots(meta.freed_slots)
 
+    def idle_for(self) -> float:
+        """Seconds since the last forward pass ended; 0 while one runs."""
+        return 0.0 if self._in_step else time.monotonic() - self._step_ended
+
     def start_load_kv(self, jobs: list[Job], missing: list[int]) -> None:
+        self._in_step = True
         self._load_errors.update(missing)
         for job in jobs:
             if job.kind == JobKind.LOAD:
@@ -122,6 +139,7 @@ class KVTierWorker:
                 self._run_now(job)
             elif job.kind != JobKind.LOAD:
                 self.mover.submit(job)
+        self._in_step, self._step_ended = False, time.monotonic()
 
     def _run_now(self, job: Job) -> None:
         started = time.perf_counter()
