@@ -25,6 +25,7 @@ points; one transaction carries them all), so serving never waits on SQLite.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -36,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import xxhash
 
@@ -139,7 +140,11 @@ def _read_pid(path: Path) -> str:
 
 
 class Catalog:
-    """One model's sessions in one NVMe directory. Thread-safe (one connection, one lock)."""
+    """One model's sessions in one NVMe directory. Thread-safe (one lock).
+
+    Nothing is held open for writing between operations (each opens its own connection, and the
+    lock file is held read-only): a disk that must be remounted read-only -- by an operator, or by
+    the fault suite -- is not kept busy by kvtier; writes then fail, are retried, and warn."""
 
     def __init__(self, nvme_dir: str | os.PathLike, fingerprint: ModelFingerprint):
         self.fingerprint = fingerprint
@@ -156,14 +161,16 @@ class Catalog:
         self._lock = threading.Lock()
         self._lock_fd = self._take_lock(self.path.with_suffix(".lock"))
         try:
-            self._db = self._open_checked()
+            self._open_checked().close()
         except BaseException:
             os.close(self._lock_fd)
             raise
 
     # ---- opening ------------------------------------------------------------------------------
     def _take_lock(self, path: Path) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if not path.exists():
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        fd = os.open(path, os.O_RDONLY)  # flock needs no write access; a writable fd would pin the mount
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -173,9 +180,21 @@ class Catalog:
                     f"the session catalog {self.path} is in use by another kvtier server (pid {_read_pid(path)})",
                     hint="give each server its own --nvme-dir, or stop the other one first") from None
             raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:  # who holds it, for the error a second server gets
+            path.write_text(f"{os.getpid()}\n")
+        except OSError:
+            pass
         return fd
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
+        try:
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA mmap_size=1073741824")  # the start-up scan reads pages without a copy each
+            yield db
+        finally:
+            db.close()
 
     def _open_checked(self) -> sqlite3.Connection:
         try:
@@ -191,9 +210,8 @@ class Catalog:
     def _open(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
         try:
-            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA journal_mode=WAL")  # kept in the file
             db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA mmap_size=1073741824")  # the start-up scan reads pages without a copy each
             db.executescript(_SCHEMA)
             meta = dict(db.execute("SELECT key, value FROM meta"))
             if not meta:
@@ -227,8 +245,9 @@ class Catalog:
         Token ids are read on demand (``token_ids``)."""
         with self._lock:
             try:
-                namespaces = dict(self._db.execute("SELECT id, namespace FROM namespaces"))
-                rows = self._db.execute("SELECT session_id, ns, keys, meta FROM sessions").fetchall()
+                with self._connection() as db:
+                    namespaces = dict(db.execute("SELECT id, namespace FROM namespaces"))
+                    rows = db.execute("SELECT session_id, ns, keys, meta FROM sessions").fetchall()
             except sqlite3.DatabaseError as exc:
                 return self._recover(exc)
         records = []
@@ -255,20 +274,20 @@ class Catalog:
 
     def _recover(self, exc: Exception) -> list[SessionRecord]:
         """The file broke after it was opened (a corrupted page): start over with an empty one."""
-        self._db.close()
         self._ns_ids = {}
         aside = self._move_aside()
         message = f"session catalog {self.path.name} was unreadable ({exc}): moved to {aside.name}, started a new one"
         log.warning("kvtier: %s", message)
         self.warnings.append(message)
-        self._db = self._open()
+        self._open().close()
         return []
 
     def token_ids(self, session_id: str) -> bytes | None:
         """The session's stored token ids (little-endian uint32), or None if absent or damaged."""
         with self._lock:
             try:
-                row = self._db.execute("SELECT data, crc FROM tokens WHERE session_id = ?", (session_id,)).fetchone()
+                with self._connection() as db:
+                    row = db.execute("SELECT data, crc FROM tokens WHERE session_id = ?", (session_id,)).fetchone()
             except sqlite3.DatabaseError:
                 return None
         if row is None:
@@ -277,8 +296,8 @@ class Catalog:
         return data if _tokens_crc(session_id, data) == row[1] else None
 
     def __len__(self) -> int:
-        with self._lock:
-            return int(self._db.execute("SELECT count(*) FROM sessions").fetchone()[0])
+        with self._lock, self._connection() as db:
+            return int(db.execute("SELECT count(*) FROM sessions").fetchone()[0])
 
     # ---- writes -------------------------------------------------------------------------------
     def write(self, upserts: Sequence[SessionRecord], deletes: Iterable[str] = ()) -> None:
@@ -287,11 +306,10 @@ class Catalog:
         deletes = [(d,) for d in deletes]
         if not upserts and not deletes:
             return
-        with self._lock:
-            db = self._db
+        with self._lock, self._connection() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
-                ns_ids = self._namespace_ids({r.namespace for r in upserts})
+                ns_ids = self._namespace_ids(db, {r.namespace for r in upserts})
                 db.executemany("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?)",
                                [(r.session_id, ns_ids[r.namespace], r.keys, r.packed_meta()) for r in upserts])
                 db.executemany("INSERT OR REPLACE INTO tokens VALUES (?, ?, ?)",
@@ -301,27 +319,24 @@ class Catalog:
                 db.executemany("DELETE FROM tokens WHERE session_id = ?", deletes)
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
                 self._ns_ids = {}
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
                 raise
 
-    def _namespace_ids(self, namespaces: set[bytes]) -> dict[bytes, int]:
+    def _namespace_ids(self, db: sqlite3.Connection, namespaces: set[bytes]) -> dict[bytes, int]:
         """Ids of ``namespaces`` in the namespaces table (added as needed; inside the write's transaction)."""
         known = self._ns_ids
         for namespace in namespaces - known.keys():
-            self._db.execute("INSERT OR IGNORE INTO namespaces (namespace) VALUES (?)", (namespace,))
-            known[namespace] = self._db.execute("SELECT id FROM namespaces WHERE namespace = ?",
-                                                (namespace,)).fetchone()[0]
+            db.execute("INSERT OR IGNORE INTO namespaces (namespace) VALUES (?)", (namespace,))
+            known[namespace] = db.execute("SELECT id FROM namespaces WHERE namespace = ?", (namespace,)).fetchone()[0]
         return known
 
     def close(self) -> None:
         with self._lock:
-            try:
-                self._db.close()
-            finally:
-                if self._lock_fd >= 0:
-                    os.close(self._lock_fd)
-                    self._lock_fd = -1
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
 
 class _Foreign(Exception):
