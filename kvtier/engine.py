@@ -134,8 +134,8 @@ class TierEngine:
     def write_behind(self, max_age_s: float = 0.0, max_blocks: int = 1 << 30) -> int:
         """The worker's write-behind step: DRAM-only blocks at least ``max_age_s`` old get an NVMe
         copy. Returns how many were written."""
-        written = self.mover.write_behind(max_age_s, max_blocks, self.manager.cold_codec)
-        self.execute(self.manager.note_written_behind(written))
+        written, error = self.mover.write_behind(max_age_s, max_blocks, self.manager.cold_codec)
+        self.execute(self.manager.note_written_behind(written, error))
         return len(written)
 
     def snapshot(self, session_id: str, path: str | Path) -> JobResult:

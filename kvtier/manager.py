@@ -555,11 +555,13 @@ class TierManager(SessionOps):
         return {"dirty_blocks": int(len(rows)), "dirty_bytes": int(col["dram_nbytes"][rows].sum()),
                 "dirty_age_s": round(max(0.0, self.index.now() - float(col["dirty_since"][rows].min())), 3)}
 
-    def note_written_behind(self, records: Iterable[tuple[bytes, bytes, int, str]]) -> Job | None:
+    def note_written_behind(self, records: Iterable[tuple[bytes, bytes, int, str]],
+                            error: str | None = None) -> Job | None:
         """The worker wrote these DRAM blocks to NVMe on its own (write-behind): they are clean now.
 
         A block the manager forgot meanwhile (dropped, evicted) had its file written too late: a DROP
-        job deletes it, so a dropped session stays dropped.
+        job deletes it, so a dropped session stays dropped. ``error``: why the worker stopped (a full,
+        read-only or missing disk): the NVMe warning, as for a failed demotion.
         """
         col = self.index.col
         drops = []
@@ -578,7 +580,10 @@ class TierManager(SessionOps):
             self._nvme_used += file_bytes_for(int(nbytes))
             self.policies[Tier.NVME].on_insert(row, (namespace, key))
             self.counters["written_behind_blocks"] += 1
-        if records and "nvme" in self.warnings:  # the disk takes writes again
+        if error:
+            self.warnings["nvme"] = error
+            self.counters["write_behind_failures"] += 1
+        elif records and "nvme" in self.warnings:  # the disk takes writes again
             self.warnings.pop("nvme", None)
             self._nvme_backoff = 0.0
         if drops:

@@ -186,23 +186,25 @@ class Mover:
             return sum(1 for since in self.dirty.values() if since <= cutoff)
 
     def write_behind(self, max_age_s: float, max_blocks: int = 64, cold_codec: str = "none",
-                     room: Callable[[int], bool] | None = None) -> list[tuple[bytes, bytes, int, str]]:
+                     room: Callable[[int], bool] | None = None) -> tuple[list[tuple[bytes, bytes, int, str]], str | None]:
         """Write up to ``max_blocks`` DRAM blocks that have had no NVMe copy for ``max_age_s`` seconds
         (oldest first) to the NVMe tier, keeping them in DRAM. Returns (namespace, key, nbytes, codec)
-        of each block written, for the manager (``TierManager.note_written_behind``).
+        of each block written, for the manager (``TierManager.note_written_behind``), and the error
+        that stopped it (a full, read-only or missing disk), if any.
 
         Each slot is copied out under the slot lock, after checking it still holds the same block:
         a slot the manager freed and a new store reuses is never written under the old key.
         ``room(nbytes)`` says whether the tier may take another file (the caller's watermark).
         """
         if self.store is None:
-            return []
-        from kvtier.errors import CapacityError, StorageFullError
+            return [], None
+        from kvtier.errors import CapacityError
 
         cutoff = time.monotonic() - max_age_s
         with self._slots_lock:
             due = sorted((since, slot) for slot, since in self.dirty.items() if since <= cutoff)[:max_blocks]
         written: list[tuple[bytes, bytes, int, str]] = []
+        error = None
         bounce = self._write_behind_buffer()
         for _, slot in due:
             with self._slots_lock:
@@ -220,11 +222,12 @@ class Mover:
                 if room is not None and not room(len(payload)):
                     break
                 self.store.write(namespace, key, payload, self.fingerprint.digest, move.codec, sync_dir=False)
-            except (CapacityError, StorageFullError) as exc:
+            except CapacityError as exc:  # kvtier's own NVMe budget: demotion makes room, not an error
                 log.info("kvtier: write-behind paused: %s", exc)
                 break
-            except (KvtierError, OSError) as exc:  # one bad block must not cost the others
+            except (KvtierError, OSError) as exc:  # the disk is full, read-only, gone...: tell the manager
                 log.warning("kvtier: write-behind of block %s failed: %s", key.hex()[:16], exc)
+                error = str(exc)
                 break
             with self._slots_lock:
                 if self.slot_owner.get(slot) == owner:
@@ -234,7 +237,7 @@ class Mover:
             written.append((namespace, key, move.nbytes, move.codec))
         if written:
             self.store.sync_dirs()  # durable before anyone is told
-        return written
+        return written, error
 
     def write_back(self, cold_codec: str = "none") -> int:
         """Clean shutdown: write every DRAM block that has no NVMe copy to the NVMe tier, so a

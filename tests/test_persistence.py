@@ -347,3 +347,21 @@ def test_dirty_age_grows_until_written(fingerprint, hbm, tmp_path):
     engine.write_behind(0)
     assert engine.manager.dirty_stats() == {"dirty_blocks": 0, "dirty_bytes": 0, "dirty_age_s": 0.0}
     engine.close()
+
+
+def test_a_failing_disk_stops_write_behind_with_a_warning_until_it_recovers(fingerprint, hbm, tmp_path):
+    import shutil
+
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    store(engine, "agent", 1, 3)
+    tmp_dir = tmp_path / "nvme" / "tmp"
+    shutil.rmtree(tmp_dir)
+    tmp_dir.write_text("not a directory")  # every block write now fails for real
+    assert engine.write_behind(0) == 0
+    assert "nvme" in engine.manager.warnings and engine.manager.counters["write_behind_failures"] == 1
+    assert engine.manager.dirty_stats()["dirty_blocks"] == 3  # still in DRAM, still owed to the disk
+    tmp_dir.unlink()
+    tmp_dir.mkdir()
+    assert engine.write_behind(0) == 3
+    assert "nvme" not in engine.manager.warnings and engine.manager.dirty_stats()["dirty_blocks"] == 0
+    engine.close()

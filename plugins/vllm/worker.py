@@ -96,7 +96,8 @@ class KVTierWorker:
             return store.used_bytes + file_bytes_for(nbytes) <= high * store.capacity_bytes
 
         tick = min(1.0, max(0.05, window / 4))
-        while not self._stopping.wait(tick):
+        backoff = 0.0  # after a failed write (the disk is full, read-only, gone): wait longer, up to 30 s
+        while not self._stopping.wait(tick + backoff):
             try:
                 while not self._stopping.is_set() and not self.write_behind_paused.is_set():
                     # the disk and the cores are the forward pass's while it runs: a busy engine only
@@ -106,11 +107,13 @@ class KVTierWorker:
                     age = window if idle else 2 * window
                     if not self.mover.dirty_due(age):
                         break
-                    written = self.mover.write_behind(age, 32 if idle else 4, cold, room)
-                    if not written:
+                    written, error = self.mover.write_behind(age, 32 if idle else 4, cold, room)
+                    if written or error:
+                        self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error,
+                                                  extra={"written_behind": written}))
+                    backoff = min(30.0, max(1.0, 2 * backoff)) if error else 0.0
+                    if error or not written:
                         break
-                    self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=True,
-                                              extra={"written_behind": written}))
             except Exception as exc:  # noqa: BLE001 - never let durability kill the worker
                 log.warning("kvtier: write-behind failed: %s", exc)
 
