@@ -581,11 +581,10 @@ class TierManager(SessionOps):
             self.policies[Tier.NVME].on_insert(row, (namespace, key))
             self.counters["written_behind_blocks"] += 1
         if error:
-            self.warnings["nvme"] = error
             self.counters["write_behind_failures"] += 1
-        elif records and "nvme" in self.warnings:  # the disk takes writes again
-            self.warnings.pop("nvme", None)
-            self._nvme_backoff = 0.0
+            self._nvme_write_failed(error)
+        elif records:
+            self._nvme_write_ok()
         if drops:
             self.counters["written_behind_dropped"] += len(drops)
             return self._new_job(JobKind.DROP, drops=drops)
@@ -636,10 +635,20 @@ class TierManager(SessionOps):
             self.warnings["nvme_lost"] = ("the NVMe directory vanished while serving and was recreated: the "
                                           "blocks it held are gone and will be recomputed")
         if result.error:  # full, read-only, removed...: blocks stay in DRAM, requests go on
-            self.warnings["nvme"] = result.error
-            self._nvme_backoff = min(30.0, max(1.0, 2 * self._nvme_backoff))
-            self._nvme_retry_at = time.monotonic() + self._nvme_backoff
+            self._nvme_write_failed(result.error)
         elif result.ok and job.moves:
+            self._nvme_write_ok()
+
+    def _nvme_write_failed(self, error: str) -> None:
+        """A demotion, flush or write-behind failed: warn, and back off (1 s doubling to 30 s)."""
+        self.warnings["nvme"] = error
+        self._nvme_backoff = min(30.0, max(1.0, 2 * self._nvme_backoff))
+        self._nvme_retry_at = time.monotonic() + self._nvme_backoff
+
+    def _nvme_write_ok(self) -> None:
+        """A write succeeded: once the back-off is over, the disk counts as healthy again (a write that
+        slipped into space a drop just freed does not end a full disk's warning at once)."""
+        if "nvme" in self.warnings and time.monotonic() >= self._nvme_retry_at:
             self.warnings.pop("nvme", None)
             self._nvme_backoff = 0.0
 
