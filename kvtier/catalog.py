@@ -157,6 +157,7 @@ class Catalog:
         self.path = directory / f"{fingerprint.hex}.sqlite"
         self.warnings: list[str] = []  # what opening found and fixed (moved-aside files, bad rows)
         self.bad_rows = 0
+        self.recreated = 0  # times the file vanished (its directory wiped) and was made again
         self._ns_ids: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self._lock_fd = self._take_lock(self.path.with_suffix(".lock"))
@@ -306,7 +307,22 @@ class Catalog:
         deletes = [(d,) for d in deletes]
         if not upserts and not deletes:
             return
-        with self._lock, self._connection() as db:
+        with self._lock:
+            if not self.path.exists():  # the NVMe directory was wiped under us: start a new catalog there
+                self._recreate()
+            self._write(upserts, deletes)
+
+    def _recreate(self) -> None:
+        os.close(self._lock_fd)
+        self._lock_fd = -1
+        catalog_dir(self.path.parent.parent).mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._take_lock(self.path.with_suffix(".lock"))
+        self._ns_ids = {}
+        self._open().close()
+        self.recreated += 1
+
+    def _write(self, upserts: Sequence[SessionRecord], deletes: list[tuple[str]]) -> None:
+        with self._connection() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
                 ns_ids = self._namespace_ids(db, {r.namespace for r in upserts})

@@ -135,7 +135,7 @@ class TierEngine:
         """The worker's write-behind step: DRAM-only blocks at least ``max_age_s`` old get an NVMe
         copy. Returns how many were written."""
         written, error = self.mover.write_behind(max_age_s, max_blocks, self.manager.cold_codec)
-        self.execute(self.manager.note_written_behind(written, error))
+        self.execute(self.manager.note_written_behind(written, error, self.mover.take_recreated()))
         return len(written)
 
     def snapshot(self, session_id: str, path: str | Path) -> JobResult:

@@ -556,13 +556,16 @@ class TierManager(SessionOps):
                 "dirty_age_s": round(max(0.0, self.index.now() - float(col["dirty_since"][rows].min())), 3)}
 
     def note_written_behind(self, records: Iterable[tuple[bytes, bytes, int, str]],
-                            error: str | None = None) -> Job | None:
+                            error: str | None = None, recreated: bool = False) -> Job | None:
         """The worker wrote these DRAM blocks to NVMe on its own (write-behind): they are clean now.
 
         A block the manager forgot meanwhile (dropped, evicted) had its file written too late: a DROP
         job deletes it, so a dropped session stays dropped. ``error``: why the worker stopped (a full,
-        read-only or missing disk): the NVMe warning, as for a failed demotion.
+        read-only or missing disk): the NVMe warning, as for a failed demotion; ``recreated``: the
+        NVMe directory had vanished (a lasting warning, as for a demotion that found it gone).
         """
+        if recreated:
+            self._warn_nvme_lost()
         col = self.index.col
         drops = []
         records = list(records)
@@ -631,13 +634,19 @@ class TierManager(SessionOps):
             if col["flags"][row] & IN_DRAM and col["pin"][row] != Tier.DRAM:
                 self._release_dram(row, evicted=True)
             self.counters["demoted_blocks"] += 1
-        if result.extra.get("nvme_recreated"):  # lasting, like lost blocks found by reads
-            self.warnings["nvme_lost"] = ("the NVMe directory vanished while serving and was recreated: the "
-                                          "blocks it held are gone and will be recomputed")
+        if result.extra.get("nvme_recreated"):
+            self._warn_nvme_lost()
         if result.error:  # full, read-only, removed...: blocks stay in DRAM, requests go on
             self._nvme_write_failed(result.error)
         elif result.ok and job.moves:
             self._nvme_write_ok()
+
+    def _warn_nvme_lost(self) -> None:
+        """Lasting, like lost blocks found by reads; every session goes back into the catalog (it
+        lived in that directory too)."""
+        self.warnings["nvme_lost"] = ("the NVMe directory vanished while serving and was recreated: the "
+                                      "blocks it held are gone and will be recomputed")
+        self._catalog_dirty.update(self.sessions)
 
     def _nvme_write_failed(self, error: str) -> None:
         """A demotion, flush or write-behind failed: warn, and back off (1 s doubling to 30 s)."""

@@ -403,9 +403,15 @@ class Mover:
             for i, move in enumerate(job.moves):
                 if i not in failed:
                     self.dirty.pop(move.dram_slot, None)
-        if store.recreated > self._recreated_seen:
-            self._recreated_seen = store.recreated
+        if self.take_recreated():
             result.extra["nvme_recreated"] = True  # the directory had vanished: what it held is gone
+
+    def take_recreated(self) -> bool:
+        """Whether the NVMe directory vanished and was made again since the last call."""
+        if self.store is None or self.store.recreated <= self._recreated_seen:
+            return False
+        self._recreated_seen = self.store.recreated
+        return True
 
     def _transcoded(self, move: BlockMove, payload: "torch.Tensor") -> "torch.Tensor":
         """``payload`` re-encoded from ``move.codec`` to ``move.to_codec`` (updates the move)."""

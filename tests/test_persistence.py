@@ -369,3 +369,19 @@ def test_a_failing_disk_stops_write_behind_with_a_warning_until_it_recovers(fing
     store(engine, "later", 2, 1, 5)
     assert engine.write_behind(0) == 1 and "nvme" not in engine.manager.warnings
     engine.close()
+
+
+def test_a_wiped_nvme_dir_is_recreated_with_its_catalog(fingerprint, hbm, tmp_path):
+    import shutil
+
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    keys = store(engine, "agent", 1, 3)
+    engine.manager.sync_catalog()
+    shutil.rmtree(tmp_path / "nvme")  # blocks, catalog and its lock file: all gone under the server
+    assert engine.write_behind(0) == 3  # the DRAM copies are written to a new directory...
+    assert "nvme_lost" in engine.manager.warnings  # ...and the operator is told what was lost
+    assert engine.manager.sync_catalog() and engine.catalog.recreated == 1
+    assert held_locks(tmp_path / "nvme") == [(engine.catalog.path.with_suffix(".lock"), str(os.getpid()))]
+    engine = restart(engine, fingerprint, hbm, tmp_path, dram_blocks=32)
+    assert states(engine) == {"agent": "cold"} and loads(engine, keys) == 3
+    engine.close()

@@ -110,7 +110,8 @@ class KVTierWorker:
                     written, error = self.mover.write_behind(age, 32 if idle else 4, cold, room)
                     if written or error:
                         self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error,
-                                                  extra={"written_behind": written}))
+                                                  extra={"written_behind": written,
+                                                         "nvme_recreated": self.mover.take_recreated()}))
                     backoff = min(30.0, max(1.0, 2 * backoff)) if error else 0.0
                     if error or not written:
                         break
