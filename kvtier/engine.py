@@ -134,6 +134,8 @@ class TierEngine:
     def write_behind(self, max_age_s: float = 0.0, max_blocks: int = 1 << 30) -> int:
         """The worker's write-behind step: DRAM-only blocks at least ``max_age_s`` old get an NVMe
         copy. Returns how many were written."""
+        if self.nvme is not None:
+            self.nvme.check_present()
         written, error = self.mover.write_behind(max_age_s, max_blocks, self.manager.cold_codec)
         self.execute(self.manager.note_written_behind(written, error, self.mover.take_recreated()))
         return len(written)

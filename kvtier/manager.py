@@ -556,13 +556,14 @@ class TierManager(SessionOps):
                 "dirty_age_s": round(max(0.0, self.index.now() - float(col["dirty_since"][rows].min())), 3)}
 
     def note_written_behind(self, records: Iterable[tuple[bytes, bytes, int, str]],
-                            error: str | None = None, recreated: bool = False) -> Job | None:
+                            error: str | None = None, recreated: bool = False, disk_ok: bool = False) -> Job | None:
         """The worker wrote these DRAM blocks to NVMe on its own (write-behind): they are clean now.
 
         A block the manager forgot meanwhile (dropped, evicted) had its file written too late: a DROP
         job deletes it, so a dropped session stays dropped. ``error``: why the worker stopped (a full,
         read-only or missing disk): the NVMe warning, as for a failed demotion; ``recreated``: the
-        NVMe directory had vanished (a lasting warning, as for a demotion that found it gone).
+        NVMe directory had vanished (a lasting warning, as for a demotion that found it gone);
+        ``disk_ok``: the worker's probe found the disk taking writes again.
         """
         if recreated:
             self._warn_nvme_lost()
@@ -586,7 +587,7 @@ class TierManager(SessionOps):
         if error:
             self.counters["write_behind_failures"] += 1
             self._nvme_write_failed(error)
-        elif records:
+        elif records or disk_ok:
             self._nvme_write_ok()
         if drops:
             self.counters["written_behind_dropped"] += len(drops)

@@ -61,6 +61,8 @@ class Mover:
         # write-behind: slots whose block has no NVMe copy yet -> when it became so (monotonic; 0.0:
         # due at once, a pinned session's block). Guarded by _slots_lock with slot_owner.
         self.dirty: dict[int, float] = {}
+        # the last NVMe write failed, and when one last did: write-behind probes the disk until it is back
+        self.disk_failing, self.disk_failed_at = False, -1e9
         self._slots_lock = threading.Lock()
         self._lock = threading.Lock()
         self._results: queue.Queue[JobResult] = queue.Queue()
@@ -237,6 +239,10 @@ class Mover:
             written.append((namespace, key, move.nbytes, move.codec))
         if written:
             self.store.sync_dirs()  # durable before anyone is told
+        if error:
+            self.disk_failing, self.disk_failed_at = True, time.monotonic()
+        elif written:
+            self.disk_failing = False
         return written, error
 
     def write_back(self, cold_codec: str = "none") -> int:
@@ -429,7 +435,9 @@ class Mover:
             except (KvtierError, OSError) as exc:
                 result.failed.append(i)
                 result.error = str(exc)
+                self.disk_failing, self.disk_failed_at = True, time.monotonic()
                 continue
+            self.disk_failing = False
             self._count(link, moves[i].nbytes, result)
 
     def _drop(self, job: Job, result: JobResult) -> None:

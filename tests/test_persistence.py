@@ -385,3 +385,36 @@ def test_a_wiped_nvme_dir_is_recreated_with_its_catalog(fingerprint, hbm, tmp_pa
     engine = restart(engine, fingerprint, hbm, tmp_path, dram_blocks=32)
     assert states(engine) == {"agent": "cold"} and loads(engine, keys) == 3
     engine.close()
+
+
+def test_the_disk_probe_tells_a_failing_disk_from_a_healed_one(fingerprint, hbm, tmp_path):
+    import shutil
+
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    tmp_dir = tmp_path / "nvme" / "tmp"
+    assert engine.nvme.probe() is None
+    shutil.rmtree(tmp_dir)
+    tmp_dir.write_text("not a directory")
+    error = engine.nvme.probe()
+    assert error and "does not take writes" in error
+    # the manager hears it like a failed write, and the probe that succeeds later like a good one
+    engine.execute(engine.manager.note_written_behind([], error))
+    assert "nvme" in engine.manager.warnings
+    tmp_dir.unlink()
+    assert engine.nvme.probe() is None
+    time.sleep(1.05)  # past the back-off
+    engine.execute(engine.manager.note_written_behind([], None, disk_ok=True))
+    assert "nvme" not in engine.manager.warnings
+    engine.close()
+
+
+def test_a_wiped_nvme_dir_is_noticed_even_with_nothing_to_write(fingerprint, hbm, tmp_path):
+    import shutil
+
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    store(engine, "agent", 1, 3)
+    engine.flush()  # every block is on NVMe: write-behind has nothing to write
+    shutil.rmtree(tmp_path / "nvme")
+    assert engine.write_behind(0) == 0
+    assert "nvme_lost" in engine.manager.warnings and (tmp_path / "nvme" / "blocks").is_dir()
+    engine.close()

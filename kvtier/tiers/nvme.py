@@ -18,6 +18,7 @@ real device bandwidth); otherwise buffered IO + fsync, logged once. Several IO t
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -307,6 +308,40 @@ class NvmeStore:
                 os.close(fd)
 
     # ---- read -------------------------------------------------------------------------------
+    def check_present(self) -> bool:
+        """Make the tier's directories again if they vanished (wiped under the server): True if they
+        had (``recreated`` counts it). Two stats when all is well."""
+        if self._blocks_dir.is_dir() and self._tmp_dir.is_dir():
+            return False
+        try:
+            for directory in (self._blocks_dir, self._tmp_dir):
+                directory.mkdir(parents=True, exist_ok=True)
+        except OSError:  # a read-only or missing disk: the next write says so
+            return False
+        log.warning("NVMe tier: %s vanished; recreated it", self.root)
+        with self._lock:
+            self.recreated += 1
+        return True
+
+    def probe(self) -> str | None:
+        """Whether the disk takes a durable write now (after a failure, when nothing else needs
+        writing): None if it does, else why not."""
+        probe = self._tmp_dir / f".probe-{uuid.uuid4().hex[:8]}"
+        try:
+            self._tmp_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, b"kvtier")
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            probe.unlink()
+            return None
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
+            return f"NVMe tier: {self.root} does not take writes: {exc.strerror or exc}"
+
     def has(self, namespace: bytes, key: bytes) -> bool:
         return (namespace, key) in self._sizes
 

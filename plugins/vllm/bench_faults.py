@@ -304,6 +304,12 @@ def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = pr
                     heal()
                     record["cleared_after_s"] = _until(lambda: "nvme" not in admin.get("/v1/status")["warnings"], 90) \
                         if shown is not None else None
+                    if record["cleared_after_s"] is None:  # what the server saw, to tell why
+                        status = admin.get("/v1/status")
+                        record["warnings"] = status["warnings"]
+                        record["counters"] = {k: v for k, v in status["counters"].items()
+                                              if "nvme" in k or "demote" in k or "written" in k or "behind" in k}
+                        record["dirty"] = status.get("dirty")
 
             faults_done = threading.Event()
             extra = {"requests": 0, "failed": 0}

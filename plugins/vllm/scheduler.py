@@ -463,8 +463,10 @@ class KVTierScheduler:
     def complete(self, results: list) -> None:
         for result in results:
             if result.job_id < 0 and "written_behind" in result.extra:  # the worker's own write-behind
-                self.enqueue(self.manager.note_written_behind(result.extra["written_behind"], result.error,
-                                                              bool(result.extra.get("nvme_recreated"))))
+                extra = result.extra
+                self.enqueue(self.manager.note_written_behind(extra["written_behind"], result.error,
+                                                              bool(extra.get("nvme_recreated")),
+                                                              bool(extra.get("disk_ok"))))
             elif result.job_id >= 0:
                 job = self.manager.jobs.get(result.job_id)
                 if job is not None and job.kind == JobKind.LOAD and result.ok and \

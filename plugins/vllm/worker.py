@@ -99,18 +99,31 @@ class KVTierWorker:
         backoff = 0.0  # after a failed write (the disk is full, read-only, gone): wait longer, up to 30 s
         while not self._stopping.wait(tick + backoff):
             try:
+                if store.check_present() and self.mover.take_recreated():  # wiped: what it held is lost
+                    self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=True,
+                                              extra={"written_behind": [], "nvme_recreated": True}))
                 while not self._stopping.is_set() and not self.write_behind_paused.is_set():
                     # the disk and the cores are the forward pass's while it runs: a busy engine only
                     # gets the blocks past twice the window (and pinned sessions' at once), in small
                     # batches; an idle one everything due
                     idle = self.idle_for() >= QUIET_S
                     age = window if idle else 2 * window
-                    if not self.mover.dirty_due(age):
+                    due = self.mover.dirty_due(age)
+                    # nothing to write, but a write failed lately: probe, so the warning can clear
+                    # (the scheduler half ends it only past its own back-off, at most 30 s)
+                    recovering = self.mover.disk_failing or time.monotonic() - self.mover.disk_failed_at < 35
+                    if not due and not recovering:
                         break
-                    written, error = self.mover.write_behind(age, 32 if idle else 4, cold, room)
-                    if written or error:
+                    if due:
+                        written, error = self.mover.write_behind(age, 32 if idle else 4, cold, room)
+                    else:
+                        written, error = [], store.probe()
+                        self.mover.disk_failing = error is not None
+                        if error:
+                            self.mover.disk_failed_at = time.monotonic()
+                    if written or error or not due:
                         self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error,
-                                                  extra={"written_behind": written,
+                                                  extra={"written_behind": written, "disk_ok": error is None,
                                                          "nvme_recreated": self.mover.take_recreated()}))
                     backoff = min(30.0, max(1.0, 2 * backoff)) if error else 0.0
                     if error or not written:
