@@ -154,7 +154,7 @@ class TierManager(SessionOps):
             session = self.sessions[session_id] = Session(session_id, namespace)
         old = session.keys
         if len(keys) >= len(old):
-            grows = not old or (len(keys) >= len(old) and keys[len(old) - 1] == old[-1])
+            grows = not old or keys[len(old) - 1] == old[-1]  # chained hashes: same last key, same prefix
             session.keys = list(keys)
             if token_ids is not None:
                 self._record_tokens(session, token_ids, extends=grows)

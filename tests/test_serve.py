@@ -95,7 +95,8 @@ def test_dry_run_command_and_connector_config(env, model_dir, tmp_path):
     assert extra["model_id"] == "tiny-llama"
     assert set(extra) == {"dram_bytes", "nvme_dir", "nvme_bytes", "policy", "high_watermark",
                           "low_watermark", "io_threads", "direct_io", "warm_codec", "cold_codec", "link_gbps", "model_id",
-                          "admin_socket", "snapshot_dir", "api_url"}
+                          "admin_socket", "snapshot_dir", "api_url", "write_behind"}
+    assert extra["write_behind"] == "10"
     assert extra["api_url"] == cmd_url(cmd) and extra["admin_socket"].endswith("kvtier.sock")
     assert json.loads(result.stdout.split("kv-transfer-config:\n", 1)[1].rsplit("\nAPI", 1)[0]) == config
     assert "--kv-cache-dtype" not in cmd
@@ -163,8 +164,8 @@ def test_serve_runs_the_server_and_returns_its_status(env, model_dir, tmp_path, 
     import kvtier.serve
 
     calls = []
-    monkeypatch.setattr(kvtier.serve, "run_server", lambda cmd, env, url, sock, say: calls.append(
-        (cmd, env, url, sock)) or 3)
+    monkeypatch.setattr(kvtier.serve, "run_server", lambda cmd, env, url, sock, say, before_stop, stop_timeout_s:
+                        calls.append((cmd, env, url, sock, before_stop, stop_timeout_s)) or 3)
     demo = types.ModuleType("kvtier.demo_model")
     demo.ensure_demo_model = lambda size="tiny", cache_dir=None, progress=None: model_dir
     demo.demo_model_dir = lambda size="tiny", cache_dir=None: model_dir
@@ -173,7 +174,8 @@ def test_serve_runs_the_server_and_returns_its_status(env, model_dir, tmp_path, 
     result = serve({**env, "XDG_RUNTIME_DIR": str(tmp_path / "run")}, "--port", port, "--", "--enforce-eager")
     assert result.exit_code == 3, result.stderr + result.stdout
     assert "DEMO model" in result.stderr
-    (cmd, _child_env, url, sock), = calls
+    (cmd, _child_env, url, sock, before_stop, stop_timeout_s), = calls
+    assert callable(before_stop) and stop_timeout_s == 60.0  # the flush on stop, bounded
     assert cmd[cmd.index("--model") + 1] == str(model_dir) and cmd[-1] == "--enforce-eager"
     assert url == f"http://127.0.0.1:{port}/v1"
     assert sock == str(tmp_path / "run" / "kvtier.sock")
@@ -400,3 +402,8 @@ def test_run_server_returns_the_status_of_a_server_that_dies():
     assert said[-1] == "vLLM exited with status 5 (its output is above)"
     assert not any(line.startswith("ready") for line in said)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_bad_write_behind_and_stop_timeout_are_refused(env, model_dir):
+    assert_refused(serve(env, model_dir, "--write-behind", "soon", "--dry-run"), "write_behind", "off")
+    assert_refused(serve(env, model_dir, "--stop-timeout", "-5", "--dry-run"), "stop_timeout", "stop_timeout = 60")
