@@ -114,16 +114,6 @@ class Session:
         self.token_ids = None  # numpy uint32 of the tokens its full blocks cover (None: not known here)
         self.tokens_dirty = False  # token_ids changed since the catalog last saved them
 
-    @classmethod
-    def from_row(cls, row: tuple, pinned: "Tier | None") -> "Session":
-        """A session read back from the catalog (``Catalog.load``'s row); its keys stay one blob."""
-        session = cls.__new__(cls)
-        (session.session_id, session.namespace, session._blob, session._key_len, session.num_tokens, _,
-         session.created, session.last_use) = row
-        session._keys, session.pinned, session.hot = None, pinned, False
-        session.token_ids, session.tokens_dirty = None, False
-        return session
-
     @property
     def keys(self) -> list[bytes]:
         if self._keys is None:

@@ -29,8 +29,7 @@ import numpy as np
 from kvtier.errors import NotFoundError, UsageError
 from kvtier.codecs import get_codec, resolve_codec
 from kvtier.decide import worth_keeping
-from kvtier.index import (FIRST, IN_DRAM, IN_NVME, PENDING, _SESSION_ID, BlockIndex, Session, Tier,
-                          validate_session_id)
+from kvtier.index import FIRST, IN_DRAM, IN_NVME, PENDING, BlockIndex, Session, Tier, validate_session_id
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint
 from kvtier.manager_ops import SessionOps
@@ -194,18 +193,10 @@ class TierManager(SessionOps):
     def _read_catalog(self, catalog: "Catalog") -> None:
         """Sessions of an earlier run: listed at once (cold where their blocks are on NVMe), pins kept."""
         started = time.perf_counter()
-        tiers: dict = {int(t): t for t in Tier}
-        tiers[None] = None
-        sessions, from_row, valid = self.sessions, Session.from_row, _SESSION_ID.match
         collecting = gc.isenabled()
         gc.disable()  # hundreds of thousands of acyclic objects: the cyclic collector would rescan them
         try:
-            for row in catalog.load():
-                pinned = tiers.get(row[5], -1)
-                if pinned == -1 or not valid(row[0]):
-                    catalog.bad_rows += 1
-                    continue
-                sessions[row[0]] = from_row(row, pinned)
+            self.sessions.update((session.session_id, session) for session in catalog.load())
         finally:
             if collecting:
                 gc.enable()

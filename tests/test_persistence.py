@@ -292,6 +292,8 @@ def test_catalog_reads_many_sessions_without_splitting_their_keys(fingerprint, t
     catalog = Catalog(tmp_path, fingerprint)
     manager = TierManager(fingerprint, 1 << 20, catalog=catalog)
     assert len(manager.sessions) == 2000 and manager.session("s7")._keys is None  # not split yet
+    read_back = manager.session("s7")  # built field by field at start-up: none may be missing
+    assert all(hasattr(read_back, name) for name in type(read_back).__slots__)
     assert manager.session_info("s7")["blocks"] == 8 and manager.session_info("s7")["state"] == "gone"
     assert len(manager.session("s7").keys) == 8
     catalog.close()

@@ -10,7 +10,8 @@ Real ``kvtier serve`` processes on the demo model, one NVMe directory throughout
 2. **SIGKILL.** A fourth session, older than the write-behind window, then SIGKILL of the whole
    process group (no flush, no shutdown hook): is it listed and loaded after a start
    (``loaded_after_sigkill``)?
-3. **Catalog start-up** with 100,000 sessions, page cache dropped (``catalog_start_ms_100k_sessions``).
+3. **Catalog start-up** with 100,000 sessions: a new process opens the catalog and builds the tier
+   manager, page cache dropped first; the median of three (``catalog_start_ms_100k_sessions``).
 4. **Serving overhead**: prefill throughput of one in-process engine with the catalog and
    write-behind switched on and off between distinct prompts, ABBA order
    (``serving_overhead`` = 1 - on/off; <= 0 is no cost).
@@ -131,7 +132,6 @@ def catalog_start_ms(sessions: int, directory: Path, blocks: int = 16, say: Call
                                      tokens) for i in range(start, min(sessions, start + 10_000))])
     catalog.close()
     size = sum(p.stat().st_size for p in (directory / "catalog").glob("*.sqlite*"))
-    drop_page_cache(directory / "catalog")
     # a restart is a new process: time it in one (this one's heap is full of the records just written)
     code = f"""
 import json, time
@@ -147,11 +147,17 @@ started = time.perf_counter()
 manager.session_state_counts()  # the first `kvtier status`: splits every session's keys
 print(json.dumps([elapsed, (time.perf_counter() - started) * 1000, len(manager.sessions)]))
 """
-    answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    elapsed, first_status, listed = json.loads(answer.stdout.strip().splitlines()[-1])
+    runs = []
+    for _ in range(3):  # three cold starts, page cache dropped before each: this box is shared and noisy
+        drop_page_cache(directory / "catalog")
+        answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        runs.append(json.loads(answer.stdout.strip().splitlines()[-1]))
+    runs.sort()
+    elapsed, first_status, listed = runs[1]  # the median start-up
     say(f"catalog of {listed:,} sessions ({size / 2**20:.0f} MiB) read at start in {elapsed:.0f} ms "
         f"(first status after it: {first_status:.0f} ms)")
     return {"catalog_start_ms_100k_sessions": elapsed if sessions == 100_000 else None,
+            "_catalog_start_ms_runs": ", ".join(f"{run[0]:.0f}" for run in runs),
             "_catalog_sessions": listed, "_catalog_mib": size / 2**20, "_catalog_first_status_ms": first_status}
 
 

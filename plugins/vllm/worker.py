@@ -17,6 +17,7 @@ Results go back to the scheduler half in the worker metadata of the step that fi
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -95,6 +96,10 @@ class KVTierWorker:
         def room(nbytes: int) -> bool:  # stay under the NVMe watermark: demotion owns the rest
             return store.used_bytes + file_bytes_for(nbytes) <= high * store.capacity_bytes
 
+        try:  # the cores are the forward pass's: this thread runs in what it leaves (Linux: per-thread nice)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         tick = min(1.0, max(0.05, window / 4))
         backoff = 0.0  # after a failed write (the disk is full, read-only, gone): wait longer, up to 30 s
         while not self._stopping.wait(tick + backoff):
