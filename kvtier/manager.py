@@ -547,14 +547,16 @@ class TierManager(SessionOps):
                 "dirty_age_s": round(max(0.0, self.index.now() - float(col["dirty_since"][rows].min())), 3)}
 
     def note_written_behind(self, records: Iterable[tuple[bytes, bytes, int, str]],
-                            error: str | None = None, recreated: bool = False, disk_ok: bool = False) -> Job | None:
+                            error: str | None = None, recreated: bool = False, disk_ok: bool = False,
+                            disk_free: int | None = None) -> Job | None:
         """The worker wrote these DRAM blocks to NVMe on its own (write-behind): they are clean now.
 
         A block the manager forgot meanwhile (dropped, evicted) had its file written too late: a DROP
         job deletes it, so a dropped session stays dropped. ``error``: why the worker stopped (a full,
         read-only or missing disk): the NVMe warning, as for a failed demotion; ``recreated``: the
         NVMe directory had vanished (a lasting warning, as for a demotion that found it gone);
-        ``disk_ok``: the worker's probe found the disk taking writes again.
+        ``disk_ok``: the worker's probe found the disk taking writes again; ``disk_free``: the bytes
+        its filesystem has free.
         """
         if recreated:
             self._warn_nvme_lost()
@@ -579,7 +581,7 @@ class TierManager(SessionOps):
             self.counters["write_behind_failures"] += 1
             self._nvme_write_failed(error)
         elif records or disk_ok:
-            self._nvme_write_ok()
+            self._nvme_write_ok(disk_free)
         if drops:
             self.counters["written_behind_dropped"] += len(drops)
             return self._new_job(JobKind.DROP, drops=drops)
@@ -631,7 +633,7 @@ class TierManager(SessionOps):
         if result.error:  # full, read-only, removed...: blocks stay in DRAM, requests go on
             self._nvme_write_failed(result.error)
         elif result.ok and job.moves:
-            self._nvme_write_ok()
+            self._nvme_write_ok(result.extra.get("disk_free"))
 
     def _warn_nvme_lost(self) -> None:
         """Lasting, like lost blocks found by reads; every session goes back into the catalog (it
@@ -646,12 +648,17 @@ class TierManager(SessionOps):
         self._nvme_backoff = min(30.0, max(1.0, 2 * self._nvme_backoff))
         self._nvme_retry_at = time.monotonic() + self._nvme_backoff
 
-    def _nvme_write_ok(self) -> None:
-        """A write succeeded: once the back-off is over, the disk counts as healthy again (a write that
-        slipped into space a drop just freed does not end a full disk's warning at once)."""
-        if "nvme" in self.warnings and time.monotonic() >= self._nvme_retry_at:
-            self.warnings.pop("nvme", None)
-            self._nvme_backoff = 0.0
+    def _nvme_write_ok(self, disk_free: int | None = None) -> None:
+        """A write succeeded: once the back-off is over, the disk counts as healthy again. A full disk
+        also needs room for what the NVMe budget still promises (``disk_free``): writes that slip into
+        space kvtier's own drops just freed do not end its warning."""
+        warning = self.warnings.get("nvme")
+        if warning is None or time.monotonic() < self._nvme_retry_at:
+            return
+        if "no space left" in warning and disk_free is not None and disk_free < self.nvme_capacity - self._nvme_used:
+            return
+        self.warnings.pop("nvme", None)
+        self._nvme_backoff = 0.0
 
     # ---- completion ---------------------------------------------------------------------------
     def complete(self, result: JobResult) -> None:

@@ -411,6 +411,7 @@ class Mover:
                     self.dirty.pop(move.dram_slot, None)
         if self.take_recreated():
             result.extra["nvme_recreated"] = True  # the directory had vanished: what it held is gone
+        result.extra["disk_free"] = store.free_bytes()
 
     def take_recreated(self) -> bool:
         """Whether the NVMe directory vanished and was made again since the last call."""

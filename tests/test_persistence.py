@@ -420,3 +420,17 @@ def test_a_wiped_nvme_dir_is_noticed_even_with_nothing_to_write(fingerprint, hbm
     assert engine.write_behind(0) == 0
     assert "nvme_lost" in engine.manager.warnings and (tmp_path / "nvme" / "blocks").is_dir()
     engine.close()
+
+
+def test_a_full_disk_warning_waits_for_room_the_budget_still_promises(fingerprint, hbm, tmp_path):
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    manager = engine.manager
+    full = f"NVMe tier: no space left on the device holding {tmp_path}"
+    manager.note_written_behind([], full)
+    time.sleep(1.05)  # past the back-off
+    promised = manager.nvme_capacity - manager._nvme_used
+    manager.note_written_behind([], None, disk_ok=True, disk_free=promised // 2)
+    assert manager.warnings["nvme"] == full  # a write fit into space a drop freed: still full
+    manager.note_written_behind([], None, disk_ok=True, disk_free=promised)
+    assert "nvme" not in manager.warnings
+    engine.close()

@@ -308,6 +308,14 @@ class NvmeStore:
                 os.close(fd)
 
     # ---- read -------------------------------------------------------------------------------
+    def free_bytes(self) -> int | None:
+        """Bytes the filesystem under the tier has free (None if it cannot say)."""
+        try:
+            stat = os.statvfs(self.root)
+        except OSError:
+            return None
+        return stat.f_bavail * stat.f_frsize
+
     def check_present(self) -> bool:
         """Make the tier's directories again if they vanished (wiped under the server): True if they
         had (``recreated`` counts it). Two stats when all is well."""

@@ -466,7 +466,7 @@ class KVTierScheduler:
                 extra = result.extra
                 self.enqueue(self.manager.note_written_behind(extra["written_behind"], result.error,
                                                               bool(extra.get("nvme_recreated")),
-                                                              bool(extra.get("disk_ok"))))
+                                                              bool(extra.get("disk_ok")), extra.get("disk_free")))
             elif result.job_id >= 0:
                 job = self.manager.jobs.get(result.job_id)
                 if job is not None and job.kind == JobKind.LOAD and result.ok and \

@@ -129,7 +129,8 @@ class KVTierWorker:
                     if written or error or not due:
                         self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error,
                                                   extra={"written_behind": written, "disk_ok": error is None,
-                                                         "nvme_recreated": self.mover.take_recreated()}))
+                                                         "nvme_recreated": self.mover.take_recreated(),
+                                                         "disk_free": store.free_bytes()}))
                     backoff = min(30.0, max(1.0, 2 * backoff)) if error else 0.0
                     if error or not written:
                         break
