@@ -163,8 +163,9 @@ class KVTierScheduler:
             if self.catalog_paused.is_set():
                 continue
             self.manager.sync_catalog(self.lock)
-            with self.lock:
-                dirty_age = self.manager.dirty_stats()["dirty_age_s"] if self.write_behind_s is not None else 0.0
+            with self.lock:  # (a failing disk keeps blocks dirty: nothing to bring back then)
+                dirty_age = self.manager.dirty_stats()["dirty_age_s"] \
+                    if self.write_behind_s is not None and "nvme" not in self.manager.warnings else 0.0
             window = self.write_behind_s
             if window is not None and dirty_age > window + 2 * every_s and self._idle_for() > every_s \
                     and time.monotonic() - poked_at > max(window, 2.0):
