@@ -157,10 +157,10 @@ class Mover:
         geometry = self.fingerprint.geometry
         return raw[: geometry.block_bytes].view(getattr(torch, geometry.dtype)).view(1, *geometry.block_shape)
 
-    def _own(self, move: BlockMove, dirty: bool = True) -> None:
+    def _own(self, move: BlockMove) -> None:
         with self._slots_lock:
             self.slot_owner[move.dram_slot] = (move.namespace, move.key, move.nbytes, move.codec, move.first)
-            if dirty and self.store is not None and not self.store.has(move.namespace, move.key):
+            if self.store is not None and not self.store.has(move.namespace, move.key):
                 self.dirty[move.dram_slot] = 0.0 if move.durable else time.monotonic()
             else:
                 self.dirty.pop(move.dram_slot, None)
@@ -247,33 +247,14 @@ class Mover:
 
     def write_back(self, cold_codec: str = "none") -> int:
         """Clean shutdown: write every DRAM block that has no NVMe copy to the NVMe tier, so a
-        restart finds it. Stops quietly when the tier is full. Returns the blocks written."""
-        if self.store is None:
-            return 0
-        from kvtier.errors import CapacityError, StorageFullError
-
-        written = 0
-        for slot, (namespace, key, nbytes, codec, first) in sorted(self.slot_owner.items()):
-            if self.store.has(namespace, key):
-                continue
-            move = BlockMove(row=-1, namespace=namespace, key=key, dram_slot=slot, nbytes=nbytes, codec=codec,
-                             first=first, to_codec="" if codec == cold_codec else cold_codec)
-            payload = self.arena.slot(slot, nbytes)
-            try:
-                if move.to_codec:
-                    payload = self._transcoded(move, payload)
-                self.store.write(namespace, key, payload, self.fingerprint.digest, move.codec, sync_dir=False)
-            except (CapacityError, StorageFullError) as exc:
-                log.warning("kvtier: write-back stopped after %d blocks: %s", written, exc)
-                break
-            except (KvtierError, OSError) as exc:  # one bad block must not cost the others
-                log.warning("kvtier: write-back of block %s failed: %s", key.hex()[:16], exc)
-                continue
-            written += 1
-        self.store.sync_dirs()
+        restart finds it (write-behind with no age limit). Stops quietly when the tier is full or the
+        disk fails. Returns the blocks written."""
+        written, error = self.write_behind(0.0, len(self.dirty), cold_codec)
+        if error:
+            log.warning("kvtier: write-back stopped after %d blocks: %s", len(written), error)
         if written:
-            log.info("kvtier: wrote %d DRAM-only blocks to the NVMe tier before shutting down", written)
-        return written
+            log.info("kvtier: wrote %d DRAM-only blocks to the NVMe tier before shutting down", len(written))
+        return len(written)
 
     @staticmethod
     def _note(result: JobResult, index: int, move: BlockMove) -> None:

@@ -172,9 +172,6 @@ class KVTierScheduler:
                 poked_at = time.monotonic()
                 self.poke()
 
-    def flush_catalog(self) -> None:
-        self.manager.sync_catalog(self.lock)
-
     def _cost_model(self, extra: dict, nvme_dir: str | None) -> CostModel:
         """Measured link rates (at start; ``link_gbps`` caps them) and a prefill model that the
         engine's own step timings fit as it serves."""
@@ -337,7 +334,7 @@ class KVTierScheduler:
             self.admin.stop()
             self.admin = None
         if self.catalog is not None:
-            self.flush_catalog()
+            self.manager.sync_catalog(self.lock)
             self.catalog.close()
             self.catalog = None
 

@@ -86,8 +86,6 @@ class KVTierWorker:
     def _write_behind(self, window: float) -> None:
         """Every tick, write the blocks that are due (in batches, oldest first); tell the scheduler
         half what was written with the next step's results."""
-        from kvtier.codecs import resolve_codec
-
         cold = resolve_codec(str(self.extra.get("cold_codec", "none")), self.fingerprint.geometry, "cold")
         high = float(self.extra.get("high_watermark", 0.90))
         store = self.nvme
