@@ -44,7 +44,11 @@ class TierEngine:
         warm_codec: str = "none",
         cold_codec: str = "none",
         catalog: bool = True,
+        rank: int = 0,
     ):
+        # with tensor parallelism (``fingerprint.shards`` > 1) this is one rank's engine: the manager
+        # plans for the whole engine, the mover moves (and its files carry) the rank's own shard
+        fingerprint = fingerprint.engine
         self.fingerprint = fingerprint
         self.nvme = NvmeStore(nvme_dir, nvme_bytes, io_threads, direct_io) if nvme_dir and nvme_bytes else None
         records = self.nvme.scan() if self.nvme is not None else []
@@ -59,7 +63,8 @@ class TierEngine:
                                    catalog=self.catalog)
         self.arena = DramArena.for_allocator(self.manager.slots)
         adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
-        self.mover = Mover(fingerprint, self.arena, self.nvme, adapter, kv_layers)
+        shard = fingerprint.for_rank(rank) if fingerprint.shards > 1 else fingerprint
+        self.mover = Mover(shard, self.arena, self.nvme, adapter, kv_layers, rank=rank, shards=fingerprint.shards)
 
     @classmethod
     def from_settings(cls, fingerprint: ModelFingerprint, settings: "Settings", **kwargs) -> "TierEngine":

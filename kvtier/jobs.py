@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-__all__ = ["JobKind", "BlockMove", "Job", "JobResult"]
+__all__ = ["JobKind", "BlockMove", "Job", "JobResult", "RankMerger"]
 
 
 class JobKind(str, Enum):
@@ -40,6 +40,7 @@ class BlockMove:
     from_nvme: bool = False  # loads: read from NVMe into dram_slot first
     to_nvme: bool = False  # restores: write straight to NVMe instead of DRAM
     durable: bool = False  # stores: the worker writes the block behind to NVMe at once (pinned sessions)
+    position: int = -1  # restores: the block's position in the snapshot file
 
 
 @dataclass(slots=True)
@@ -51,10 +52,17 @@ class Job:
     path: str | None = None  # snapshot / restore file
     header: dict | None = None  # snapshot header fields (session, tokens, ...)
     drops: list[BlockMove] = field(default_factory=list)  # NVMe copies to delete first
+    req_id: str | None = None  # the vLLM request a store or load serves (fences, finished transfers)
 
 
 @dataclass(slots=True)
 class JobResult:
+    """What one rank's worker half did with a job (or, ``job_id < 0``, a report of its own).
+
+    With tensor parallelism every rank runs every job on its own shard and reports it; the
+    scheduler half ``merge``s the reports and applies the job once all ranks are in.
+    """
+
     job_id: int
     kind: JobKind
     ok: bool
@@ -62,4 +70,75 @@ class JobResult:
     error: str | None = None
     bytes_moved: int = 0
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)  # e.g. a restore's per-block sizes
+    rank: int = 0  # the tensor-parallel rank that reports it
+    encoded: dict[int, tuple[int, str]] = field(default_factory=dict)  # move -> (nbytes, codec) as now stored
+    bad_reads: list[int] = field(default_factory=list)  # moves whose NVMe copy was missing or corrupt
+    path: str | None = None  # snapshots: the file written
+    nvme_recreated: bool = False  # the NVMe directory had vanished and was made again
+    disk_free: int | None = None  # bytes free on the NVMe disk after the job's writes
+    written_behind: list[tuple[bytes, bytes, int, str]] | None = None  # write-behind reports: blocks written
+    disk_ok: bool = True  # write-behind reports: the last write or probe succeeded
+
+    def merge(self, other: "JobResult") -> "JobResult":
+        """Fold another rank's report of the same job into this one: a move failed if it failed on
+        any rank; sizes are the largest shard's (the budgets are per rank)."""
+        self.ok = self.ok and other.ok
+        self.failed = sorted(set(self.failed) | set(other.failed))
+        self.error = self.error or other.error
+        self.bytes_moved += other.bytes_moved
+        self.seconds = max(self.seconds, other.seconds)
+        for i, (nbytes, codec) in other.encoded.items():
+            mine = self.encoded.get(i)
+            self.encoded[i] = (max(nbytes, mine[0]), codec) if mine else (nbytes, codec)
+        self.bad_reads = sorted(set(self.bad_reads) | set(other.bad_reads))
+        if self.path is None or other.rank < self.rank:
+            self.path = other.path or self.path
+        self.nvme_recreated = self.nvme_recreated or other.nvme_recreated
+        if other.disk_free is not None:
+            self.disk_free = other.disk_free if self.disk_free is None else min(self.disk_free, other.disk_free)
+        self.disk_ok = self.disk_ok and other.disk_ok
+        self.rank = min(self.rank, other.rank)
+        return self
+
+
+class RankMerger:
+    """Tensor parallelism: every rank runs every job on its own shard and reports it. ``job``
+    returns the merged result once all ``shards`` ranks have reported (None before); ``written``
+    returns the blocks of a write-behind report that every rank has now written."""
+
+    def __init__(self, shards: int):
+        self.shards = shards
+        self._partial: dict[int, tuple[JobResult, set[int]]] = {}
+        self._written: dict[tuple[bytes, bytes], set[int]] = {}
+
+    def job(self, result: JobResult) -> JobResult | None:
+        if self.shards <= 1:
+            return result
+        merged, ranks = self._partial.get(result.job_id, (None, set()))
+        merged = result if merged is None else merged.merge(result)
+        ranks.add(result.rank)
+        if len(ranks) < self.shards:
+            self._partial[result.job_id] = (merged, ranks)
+            return None
+        del self._partial[result.job_id]
+        return merged
+
+    def written(self, result: JobResult) -> list[tuple[bytes, bytes, int, str]]:
+        records = list(result.written_behind or ())
+        if self.shards <= 1:
+            return records
+        done = []
+        for record in records:
+            ranks = self._written.setdefault(record[:2], set())
+            ranks.add(result.rank)
+            if len(ranks) == self.shards:
+                del self._written[record[:2]]
+                done.append(record)
+        if len(self._written) > 1 << 20:  # a rank that never wrote a block (its slot was dropped first)
+            self._written.clear()
+        return done
+
+    @property
+    def waiting(self) -> int:
+        """Jobs some ranks have reported and others not yet."""
+        return len(self._partial)

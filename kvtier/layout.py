@@ -22,6 +22,7 @@ torch is imported lazily so that ``kvtier --help`` stays fast.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -122,30 +123,73 @@ class ModelFingerprint:
     """
 
     model_id: str
-    geometry: KVGeometry
+    geometry: KVGeometry  # of one rank's shard (its KV heads) with tensor parallelism
     weights: str = ""  # kvtier.weights.weights_identity of the served weights ("" when unknown)
+    shards: int = 1  # tensor-parallel size: how many ranks each hold a slice of every block's KV heads
+    rank: int | None = None  # the rank whose shard this is (None: the whole engine, as the scheduler sees it)
+    kv_scales: str = ""  # fp8 KV caches: how values were scaled into fp8 (blocks are only valid under the same)
 
     @functools.cached_property
     def digest(self) -> bytes:
-        """16-byte identity of (model, weights, geometry, dtype)."""
+        """16-byte identity of (model, weights, geometry, dtype[, scales][, shards and rank])."""
         fields = {"model": self.model_id, **self.geometry.to_dict()}
         if self.weights:
             fields["weights"] = self.weights
+        if self.kv_scales:
+            fields["kv_scales"] = self.kv_scales
+        if self.shards > 1:  # a single rank's digest is what it always was: old blocks stay valid
+            fields["shards"] = self.shards
+            if self.rank is not None:
+                fields["rank"] = self.rank
         canonical = json.dumps(fields, sort_keys=True)
         return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
+
+    def for_rank(self, rank: int) -> "ModelFingerprint":
+        """The identity of one rank's shard: its NVMe files and snapshot files carry it."""
+        return dataclasses.replace(self, rank=rank)
+
+    @property
+    def engine(self) -> "ModelFingerprint":
+        """The identity of the whole engine (what namespaces and the catalog are keyed by)."""
+        return dataclasses.replace(self, rank=None) if self.rank is not None else self
 
     @property
     def hex(self) -> str:
         return self.digest.hex()
 
     def to_dict(self) -> dict:
-        return {"model_id": self.model_id, "weights": self.weights, "geometry": self.geometry.to_dict(),
+        data = {"model_id": self.model_id, "weights": self.weights, "geometry": self.geometry.to_dict(),
                 "digest": self.hex}
+        if self.kv_scales:
+            data["kv_scales"] = self.kv_scales
+        if self.shards > 1:
+            data["shards"], data["rank"] = self.shards, self.rank
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelFingerprint":
+        rank = data.get("rank")
         return cls(model_id=data["model_id"], geometry=KVGeometry.from_dict(data["geometry"]),
-                   weights=str(data.get("weights") or ""))
+                   weights=str(data.get("weights") or ""), shards=int(data.get("shards") or 1),
+                   rank=None if rank is None else int(rank), kv_scales=str(data.get("kv_scales") or ""))
+
+    def mismatch(self, other: "ModelFingerprint") -> str:
+        """Why blocks of ``other`` cannot serve this engine, in words ("" when they can)."""
+        if other.digest == self.digest:
+            return ""
+        if other.shards != self.shards:
+            return (f"it holds KV sharded over {other.shards} tensor-parallel rank(s) and this server runs "
+                    f"{self.shards}; restore it on a server with --tensor-parallel-size {other.shards}")
+        if other.model_id != self.model_id:
+            return f"it was taken with model {other.model_id!r}, this server serves {self.model_id!r}"
+        if other.geometry != self.geometry:
+            return (f"its KV layout ({other.geometry.dtype}, {other.geometry.block_tokens}-token blocks) differs "
+                    f"from this server's ({self.geometry.dtype}, {self.geometry.block_tokens}-token blocks)")
+        if other.weights != self.weights:
+            return "it was taken with other weights of the same model"
+        if other.kv_scales != self.kv_scales:
+            return "its fp8 KV was scaled differently"
+        return "its model fingerprint differs"
 
 
 def k_view(block: "torch.Tensor") -> "torch.Tensor":

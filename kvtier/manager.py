@@ -415,12 +415,11 @@ class TierManager(SessionOps):
         """Shared by LOAD and PROMOTE: staged NVMe reads become DRAM copies, bad ones are dropped.
 
         ``result.failed`` lists the blocks that did not reach their destination; of those,
-        ``extra["bad_reads"]`` could not be read back from NVMe (the store removed them).
+        ``result.bad_reads`` could not be read back from NVMe (the store removed them).
         """
         col = self.index.col
         not_delivered = self._failed_positions(job, result)
-        bad_reads = set(result.extra.get("bad_reads", ()))
-        sizes = result.extra.get("nbytes", {})
+        bad_reads = set(result.bad_reads)
         for i, move in enumerate(job.moves):
             row = move.row
             self.index.ref([row], -1)
@@ -428,7 +427,7 @@ class TierManager(SessionOps):
                 self.counters[f"{tier_hit}_{'nvme' if move.from_nvme else 'dram'}_blocks"] += 1
             if not move.from_nvme:
                 continue
-            if i in bad_reads or (i in not_delivered and not result.extra.get("nbytes")):
+            if i in bad_reads or (i in not_delivered and not result.encoded):
                 if move.dram_slot >= 0:
                     self.slots.free(move.dram_slot)
                 self._release_nvme(row, evicted=False)
@@ -440,7 +439,7 @@ class TierManager(SessionOps):
                 continue
             col["flags"][row] |= IN_DRAM
             col["dram_slot"][row] = move.dram_slot
-            col["dram_nbytes"][row] = sizes.get(i, move.nbytes)
+            col["dram_nbytes"][row] = move.nbytes
             col["dram_codec"][row] = self.index.codec_id(move.codec)
             self.policies[Tier.DRAM].on_insert(row, (move.namespace, move.key))
 
@@ -628,12 +627,12 @@ class TierManager(SessionOps):
             if col["flags"][row] & IN_DRAM and col["pin"][row] != Tier.DRAM:
                 self._release_dram(row, evicted=True)
             self.counters["demoted_blocks"] += 1
-        if result.extra.get("nvme_recreated"):
+        if result.nvme_recreated:
             self._warn_nvme_lost()
         if result.error:  # full, read-only, removed...: blocks stay in DRAM, requests go on
             self._nvme_write_failed(result.error)
         elif result.ok and job.moves:
-            self._nvme_write_ok(result.extra.get("disk_free"))
+            self._nvme_write_ok(result.disk_free)
 
     def _warn_nvme_lost(self) -> None:
         """Lasting, like lost blocks found by reads; every session goes back into the catalog (it
@@ -666,7 +665,7 @@ class TierManager(SessionOps):
         job = self.jobs.pop(result.job_id, None)
         if job is None:
             raise UsageError(f"job {result.job_id} is not pending")
-        for i, (nbytes, codec) in result.extra.get("encoded", {}).items():  # what the mover wrote
+        for i, (nbytes, codec) in result.encoded.items():  # what the mover wrote
             job.moves[int(i)].nbytes, job.moves[int(i)].codec = int(nbytes), str(codec)
         handler = {
             JobKind.STORE: self._complete_store,

@@ -5,6 +5,7 @@ policies and job helpers, and like the manager it only plans; the mover does the
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -177,14 +178,22 @@ class SessionOps:
 
     def prepare_restore(self: "TierManager", info: "SnapshotInfo", tier: Tier = Tier.DRAM) -> Job | None:
         """A RESTORE job bringing a snapshot's missing blocks into DRAM (overflow: NVMe) or NVMe."""
-        if info.fingerprint.digest != self.fingerprint.digest:
+        why = self.fingerprint.mismatch(info.fingerprint.engine)
+        if why:
             raise FingerprintMismatchError(
-                f"snapshot {info.path} was taken with model {info.fingerprint.model_id!r} "
-                f"({info.fingerprint.hex[:12]}), this engine serves {self.fingerprint.model_id!r} "
-                f"({self.fingerprint.hex[:12]})",
-                hint="restore it on a server running the same model, KV dtype and block size",
+                f"snapshot {info.path} cannot be restored here: {why}",
+                hint="restore it on a server running the same model, KV dtype, block size and tensor-parallel size",
                 path=str(info.path),
             )
+        from kvtier.snapshot import shard_path
+
+        for rank in range(1, self.fingerprint.shards):  # a sharded snapshot is one file per rank
+            sibling = shard_path(info.path, rank, self.fingerprint.shards)
+            if not os.path.exists(sibling):
+                raise FingerprintMismatchError(
+                    f"snapshot {info.path} was taken at tensor-parallel size {self.fingerprint.shards}, and its "
+                    f"rank-{rank} shard {sibling} is missing",
+                    hint="copy every <snapshot>.rank<N> file along with the snapshot", path=str(info.path))
         moves, drops = [], []
         for position, entry in enumerate(info.blocks):
             if self.index.row_of(info.namespace, entry.key) is not None:
@@ -204,7 +213,7 @@ class SessionOps:
             row = self.index.add(info.namespace, entry.key, flags)
             self.index.col["dram_slot"][row] = -1 if to_nvme else slot
             moves.append(self._move(row, dram_slot=-1 if to_nvme else slot, nbytes=entry.nbytes, codec=info.codec,
-                                    to_nvme=to_nvme, device_block=position, first=first, to_codec=to_codec,
+                                    to_nvme=to_nvme, position=position, first=first, to_codec=to_codec,
                                     reserved=size))
         self.record_session(info.session_id, info.namespace, [b.key for b in info.blocks], info.num_tokens,
                             token_ids=info.token_ids or None)

@@ -1,10 +1,16 @@
 """The worker half: runs the manager's jobs and moves bytes. It decides nothing.
 
 Links: HBM (vLLM's per-layer KV tensors, through a layout adapter) <-> the DRAM arena <-> the NVMe
-store, plus snapshot files. Jobs run on a small thread pool (CPU copies, NVMe syscalls and
-checksums release the GIL); NVMe reads and writes within a job fan out over the store's own IO
-threads. With CUDA, device<->host copies go through pinned DRAM slots on a dedicated stream that
-first waits for the compute stream, so stores never read KV the forward pass is still writing.
+store, plus snapshot files. Stores run in order on one copy thread (the host side of a copy
+stream), everything else on a small thread pool (CPU copies, NVMe syscalls and checksums release
+the GIL); NVMe reads and writes within a job fan out over the store's own IO threads. With CUDA,
+device<->host copies go through pinned DRAM slots on a dedicated stream that first waits for an
+event recorded on the compute stream when the job was submitted, so stores never read KV the
+forward pass is still writing, and the step that submitted them never waits.
+
+Nothing here blocks the thread that submits: a job that reads a DRAM slot a store is still
+filling waits for that store's fence on a mover thread. Blocking waits made on vLLM's step path
+(``step.active``) are counted in ``step_syncs``; serving should leave it at zero.
 
 Every job ends in exactly one ``JobResult`` (``poll`` / ``wait``): a failure is reported with the
 positions that failed, never swallowed. Bytes moved are counted per link for telemetry.
@@ -20,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvtier.codecs import get_codec, transcode
-from kvtier.codecs.base import Identity, Zstd
 from kvtier.errors import KvtierError
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult
 
@@ -45,10 +50,13 @@ class Mover:
         adapter: "LayoutAdapter | None" = None,
         kv_layers: "Sequence[torch.Tensor] | None" = None,
         threads: int = 2,
+        rank: int = 0,
+        shards: int = 1,
     ):
         import torch
 
         self.fingerprint = fingerprint
+        self.rank, self.shards = rank, shards  # tensor parallelism: this rank's shard of every block
         self.arena = arena
         self._recreated_seen = 0  # NVMe directory re-creations already reported
         self.store = store
@@ -67,6 +75,12 @@ class Mover:
         self._lock = threading.Lock()
         self._results: queue.Queue[JobResult] = queue.Queue()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-mover")
+        self._copy = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-copy")  # stores, in order
+        self._fences: dict[int, threading.Event] = {}  # DRAM slot -> set once the store filling it is done
+        self._inflight: dict[int, Future] = {}  # job id -> its future, until it is done
+        self.step = threading.local()  # ``step.active``: this thread is in one of vLLM's step calls
+        self.step_syncs = 0  # blocking waits for transfers on the step path (fences on preemption only)
+        self._staging_free: list["torch.Tensor"] = []  # page-aligned (pinned with CUDA) NVMe read buffers
         device = self.kv_layers[0].device if self.kv_layers else torch.device("cpu")
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -82,14 +96,107 @@ class Mover:
         }
 
     # ---- running jobs -------------------------------------------------------------------------
-    def submit(self, job: Job) -> Future:
-        """Run ``job`` in the background; its result arrives through ``poll``."""
+    def submit(self, job: Job, on_done: Callable[[Job, JobResult], None] | None = None) -> Future:
+        """Run ``job`` in the background; its result arrives through ``poll`` (after ``on_done``,
+        called on the mover thread). Never blocks: a STORE is queued on the copy thread."""
+        if job.kind == JobKind.STORE:
+            return self.submit_stores([job], on_done)
         ready = self._record_compute_event()
-        return self._pool.submit(self._run_and_queue, job, ready)
+        return self._track([job], self._pool.submit(self._run_and_queue, job, ready, on_done))
+
+    def submit_stores(self, jobs: Sequence[Job], on_done: Callable[[Job, JobResult], None] | None = None,
+                      post: bool = True) -> Future:
+        """Queue one step's STORE jobs as one batch on the copy thread: one gather for all their
+        blocks (one batched copy per layer on CUDA), then a result per job. Their DRAM slots are
+        fenced until it is done."""
+        ready = self._record_compute_event()
+        fence = threading.Event()
+        with self._lock:
+            for job in jobs:
+                for move in job.moves:
+                    self._fences[move.dram_slot] = fence
+        return self._track(jobs, self._copy.submit(self._store_batch, list(jobs), ready, fence, on_done, post))
+
+    def _track(self, jobs: Sequence[Job], future: Future) -> Future:
+        with self._lock:
+            for job in jobs:
+                self._inflight[job.job_id] = future
+        for job in jobs:
+            future.add_done_callback(lambda _f, job_id=job.job_id: self._untrack(job_id))
+        return future
+
+    def _untrack(self, job_id: int) -> None:
+        with self._lock:
+            self._inflight.pop(job_id, None)
+
+    def in_flight(self, job_ids: Sequence[int]) -> list[int]:
+        """Those of ``job_ids`` still running or queued."""
+        with self._lock:
+            return [job_id for job_id in job_ids if job_id in self._inflight]
+
+    def wait_jobs(self, job_ids: Sequence[int]) -> int:
+        """Block until the given jobs are done (a fence: vLLM is about to reuse blocks they read).
+        Returns how many had to be waited for."""
+        with self._lock:
+            futures = [self._inflight[j] for j in job_ids if j in self._inflight]
+        waited = 0
+        for future in futures:
+            if not future.done():
+                waited += 1
+                self._note_sync()
+            future.exception()  # waits; a failed job is reported through its result
+        return waited
+
+    def _note_sync(self) -> None:
+        if getattr(self.step, "active", False):
+            self.step_syncs += 1
 
     def run(self, job: Job) -> JobResult:
         """Run ``job`` now, in this thread; never raises for a failed job."""
+        self._note_sync()
+        if job.kind == JobKind.STORE:
+            result: list[JobResult] = []
+            self.submit_stores([job], lambda _j, r: result.append(r), post=False).result()
+            return result[0]
         return self._run(job, self._record_compute_event())
+
+    def _store_batch(self, jobs: list[Job], ready, fence: threading.Event, on_done, post: bool = True) -> None:
+        """One step's stores as one job (one gather), split back into a result per job."""
+        try:
+            whole = Job(job_id=-1, kind=JobKind.STORE, moves=[m for job in jobs for m in job.moves])
+            merged = self._run(whole, ready)
+        finally:
+            with self._lock:
+                for job in jobs:
+                    for move in job.moves:
+                        if self._fences.get(move.dram_slot) is fence:
+                            del self._fences[move.dram_slot]
+            fence.set()
+        start = 0
+        for job in jobs:
+            end = start + len(job.moves)
+            result = JobResult(job_id=job.job_id, kind=job.kind, ok=merged.ok, error=merged.error,
+                               seconds=merged.seconds, rank=self.rank)
+            result.failed = [i - start for i in merged.failed if start <= i < end]
+            if not merged.ok and not merged.failed:
+                result.failed = list(range(len(job.moves)))
+            result.ok = not result.failed and merged.ok
+            result.encoded = {i - start: v for i, v in merged.encoded.items() if start <= i < end}
+            result.bytes_moved = sum(m.nbytes for i, m in enumerate(job.moves) if i not in result.failed)
+            if on_done is not None:
+                on_done(job, result)
+            if post:
+                self._results.put(result)
+            start = end
+
+    def _await_slots(self, slots: Sequence[int]) -> None:
+        """Wait (on a mover thread) for stores still filling any of these DRAM slots."""
+        with self._lock:
+            fences = {id(f): f for s in slots if (f := self._fences.get(s)) is not None}
+        for fence in fences.values():
+            if not fence.is_set():
+                self._note_sync()
+                fence.wait()
 
     def poll(self) -> list[JobResult]:
         out = []
@@ -103,13 +210,15 @@ class Mover:
         """Queue a result made outside a job (write-behind) for ``poll``."""
         self._results.put(result)
 
-    def _run_and_queue(self, job: Job, ready) -> JobResult:
+    def _run_and_queue(self, job: Job, ready, on_done=None) -> JobResult:
         result = self._run(job, ready)
+        if on_done is not None:
+            on_done(job, result)
         self._results.put(result)
         return result
 
     def _run(self, job: Job, ready) -> JobResult:
-        result = JobResult(job_id=job.job_id, kind=job.kind, ok=True)
+        result = JobResult(job_id=job.job_id, kind=job.kind, ok=True, rank=self.rank)
         start = time.perf_counter()
         try:
             if self._stream is not None:
@@ -141,6 +250,7 @@ class Mover:
         result.bytes_moved += nbytes
 
     def close(self) -> None:
+        self._copy.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
     # ---- HBM <-> DRAM -------------------------------------------------------------------------
@@ -156,6 +266,12 @@ class Mover:
 
         geometry = self.fingerprint.geometry
         return raw[: geometry.block_bytes].view(getattr(torch, geometry.dtype)).view(1, *geometry.block_shape)
+
+    def _own_nbytes(self, move: BlockMove) -> int:
+        """The payload size of ``move``'s DRAM slot on this rank (with a data-dependent codec each
+        rank's shard compresses differently; the manager knows the largest)."""
+        owner = self.slot_owner.get(move.dram_slot)
+        return owner[2] if owner is not None and owner[1] == move.key else move.nbytes
 
     def _own(self, move: BlockMove) -> None:
         with self._slots_lock:
@@ -259,11 +375,11 @@ class Mover:
     @staticmethod
     def _note(result: JobResult, index: int, move: BlockMove) -> None:
         """Report what was written for one move (the manager may run in another process)."""
-        result.extra.setdefault("encoded", {})[index] = (move.nbytes, move.codec)
+        result.encoded[index] = (move.nbytes, move.codec)
 
     def _store(self, job: Job, result: JobResult) -> None:
         assert self.adapter is not None and self.kv_layers is not None, "mover has no KV tensors"
-        plain = all(isinstance(get_codec(m.codec), Identity) for m in job.moves)
+        plain = all(get_codec(m.codec).raw for m in job.moves)
         if self._stream is None and plain:  # CPU: gather each block straight into its DRAM slot
             for move in job.moves:
                 self.adapter.gather(self.kv_layers, [move.device_block], self._as_block(self.arena.slot(move.dram_slot)))
@@ -277,7 +393,7 @@ class Mover:
                 codec = get_codec(move.codec)
                 if self._stream is not None and plain:
                     move.nbytes = self.arena.put(move.dram_slot, staging[i])
-                elif self._stream is None or isinstance(codec, Zstd):
+                elif self._stream is None or codec.host_unpack:
                     move.nbytes = codec.encode(staging[i], self.arena.slot(move.dram_slot), first=move.first)
                 else:  # CUDA: encode on the device, then copy the smaller payload to the pinned slot
                     import torch
@@ -293,14 +409,24 @@ class Mover:
 
     def _load(self, job: Job, result: JobResult) -> None:
         assert self.adapter is not None and self.kv_layers is not None, "mover has no KV tensors"
+        self._await_slots([m.dram_slot for m in job.moves if m.dram_slot >= 0 and not m.from_nvme])
         sources = self._read_from_nvme(job, result)
+        try:
+            self._load_sources(job, result, sources)
+        finally:
+            self._give_staging(sources, job)
+
+    def _load_sources(self, job: Job, result: JobResult, sources: dict) -> None:
         count = len(job.moves)
         if result.failed:  # load only the prefix before the first bad block; vLLM recomputes the rest
             count = min(result.failed)
             result.failed = list(range(count, len(job.moves)))
         moves = job.moves[:count]
+        for move in moves:
+            if not move.from_nvme:
+                move.nbytes = self._own_nbytes(move)
         raw = [sources.get(i, self.arena.slot(m.dram_slot) if m.dram_slot >= 0 else None) for i, m in enumerate(moves)]
-        plain = all(isinstance(get_codec(m.codec), Identity) for m in moves)
+        plain = all(get_codec(m.codec).raw for m in moves)
         if self._stream is None and plain:  # CPU: scatter each block straight from its slot or read buffer
             for move, source in zip(moves, raw):
                 self.adapter.scatter(self._as_block(source), self.kv_layers, [move.device_block])
@@ -322,10 +448,10 @@ class Mover:
         if self._stream is None:
             codec.decode(payload, block)
             return
-        if isinstance(codec, Identity):
+        if codec.raw:
             block.view(-1).view(payload.dtype).copy_(payload, non_blocking=True)
             return
-        if isinstance(codec, Zstd):  # the lossless layer unpacks on the CPU
+        if codec.host_unpack:  # the lossless layer unpacks on the CPU
             payload, codec = codec.unpack(payload, codec.inner.max_bytes(self.fingerprint.geometry)), codec.inner
         codec.decode(payload.to(self.device, non_blocking=True), block)
 
@@ -341,18 +467,15 @@ class Mover:
         if not reads:
             return {}
         store = self._need_store()
-        from kvtier.tiers.dram import aligned_empty
-
         targets = {i: self.arena.slot(m.dram_slot) if m.dram_slot >= 0 and not m.to_codec
-                   else aligned_empty(max(self.arena.slot_bytes, m.nbytes)) for i, m in reads}
+                   else self._take_staging(max(self.arena.slot_bytes, m.nbytes)) for i, m in reads}
         futures = {i: store.submit_read(m.namespace, m.key, targets[i], self.fingerprint.digest) for i, m in reads}
-        sizes = result.extra.setdefault("nbytes", {})
         for i, future in futures.items():
             try:
                 nbytes, codec = future.result()
             except (KvtierError, OSError) as exc:
                 result.failed.append(i)
-                result.extra.setdefault("bad_reads", []).append(i)
+                result.bad_reads.append(i)
                 result.error = str(exc)
                 continue
             move = job.moves[i]
@@ -363,25 +486,45 @@ class Mover:
                                         self.arena.slot(move.dram_slot), first=move.first or None)
                 move.codec = move.to_codec
                 targets[i] = self.arena.slot(move.dram_slot)
-            sizes[i] = move.nbytes
             self._note(result, i, move)
             if move.dram_slot >= 0:
                 self._own(move)
         result.failed.sort()
         return targets
 
+    def _take_staging(self, nbytes: int) -> "torch.Tensor":
+        """A page-aligned buffer for one NVMe read that has no DRAM slot to land in (pinned with
+        CUDA, so its host-to-device copy is asynchronous); reused across jobs."""
+        with self._lock:
+            for i, buf in enumerate(self._staging_free):
+                if buf.numel() >= nbytes:
+                    return self._staging_free.pop(i)
+        from kvtier.tiers.dram import aligned_empty
+
+        return aligned_empty(nbytes, pin=self.arena.pinned)
+
+    def _give_staging(self, sources: dict, job: Job) -> None:
+        base = self.arena.buffer.data_ptr()
+        end = base + self.arena.buffer.numel()
+        with self._lock:
+            for buf in sources.values():  # arena slots are not staging buffers
+                if not base <= buf.data_ptr() < end and len(self._staging_free) < 8:
+                    self._staging_free.append(buf)
+
     def _promote(self, job: Job, result: JobResult) -> None:
-        self._read_from_nvme(job, result)
+        self._give_staging(self._read_from_nvme(job, result), job)
 
     def _demote(self, job: Job, result: JobResult) -> None:
+        self._await_slots([m.dram_slot for m in job.moves])
         self._drop(job, result)
         store = self._need_store()
         futures = []
         for i, move in enumerate(job.moves):
+            move.nbytes = self._own_nbytes(move)
             payload = self.arena.slot(move.dram_slot, move.nbytes)
             if move.to_codec:  # the cold tier's codec differs from the warm one
                 payload = self._transcoded(move, payload)
-                self._note(result, i, move)
+            self._note(result, i, move)
             futures.append(store.submit_write(move.namespace, move.key, payload, self.fingerprint.digest, move.codec))
         self._collect_writes(futures, job.moves, result, "dram->nvme")
         store.sync_dirs()
@@ -391,8 +534,8 @@ class Mover:
                 if i not in failed:
                     self.dirty.pop(move.dram_slot, None)
         if self.take_recreated():
-            result.extra["nvme_recreated"] = True  # the directory had vanished: what it held is gone
-        result.extra["disk_free"] = store.free_bytes()
+            result.nvme_recreated = True  # the directory had vanished: what it held is gone
+        result.disk_free = store.free_bytes()
 
     def take_recreated(self) -> bool:
         """Whether the NVMe directory vanished and was made again since the last call."""
@@ -430,13 +573,15 @@ class Mover:
 
     # ---- snapshots ----------------------------------------------------------------------------
     def _snapshot(self, job: Job, result: JobResult) -> None:
-        from kvtier.snapshot import write_snapshot
+        """Write this rank's shard of a session to its snapshot file (``shard_path``)."""
+        from kvtier.snapshot import shard_path, write_snapshot
 
         import torch
 
         header = job.header or {}
+        self._await_slots([m.dram_slot for m in job.moves if not m.from_nvme])
         bounce = torch.empty(max([self.arena.slot_bytes] + [m.nbytes for m in job.moves]), dtype=torch.uint8)
-        sizes = header.get("sizes") or [m.nbytes for m in job.moves]  # as written, after re-encoding
+        sizes = self._snapshot_sizes(job)  # as written, after re-encoding: this rank's own
 
         def payloads():
             for i, move in enumerate(job.moves):
@@ -445,30 +590,54 @@ class Mover:
                                                                        self.fingerprint.digest)
                     payload = bounce[:nbytes]
                 else:
-                    payload = self.arena.slot(move.dram_slot, move.nbytes)
+                    payload = self.arena.slot(move.dram_slot, self._own_nbytes(move))
                 if move.to_codec and move.codec != move.to_codec:
                     payload = self._transcoded(move, payload)
-                if len(payload) != sizes[i]:
+                if sizes is not None and len(payload) != sizes[i]:
                     raise KvtierError(f"snapshot: block {i} holds {len(payload)} bytes, planned {sizes[i]}")
                 yield payload
                 self._count("tier->snapshot", len(payload), result)
 
+        blocks = payloads()
+        if sizes is None:  # a data-dependent codec on a sharded engine: encode first to learn the sizes
+            listed = [bytes(p.numpy()) for p in blocks]
+            sizes, blocks = [len(p) for p in listed], iter(listed)
         info = write_snapshot(
-            job.path, self.fingerprint, header["session_id"], header["namespace"],
-            codec=header.get("codec", job.moves[0].codec),
-            num_tokens=header["num_tokens"], keys=[m.key for m in job.moves], payloads=payloads(),
+            shard_path(job.path, self.rank, self.shards), self.fingerprint, header["session_id"],
+            header["namespace"], codec=header.get("codec", job.moves[0].codec),
+            num_tokens=header["num_tokens"], keys=[m.key for m in job.moves], payloads=blocks,
             block_nbytes=sizes, token_ids=header.get("token_ids") or (),
         )
-        result.extra["path"] = str(info.path)
+        result.path = str(info.path)
+
+    def _snapshot_sizes(self, job: Job) -> list[int] | None:
+        """Each block's size in this rank's snapshot file, known before writing it (None when a
+        data-dependent codec makes that impossible without encoding first)."""
+        planned = (job.header or {}).get("sizes")
+        if self.shards <= 1 and planned:
+            return list(planned)
+        sizes = []
+        for move in job.moves:
+            if move.to_codec and move.codec != move.to_codec:
+                n = get_codec(move.to_codec).nbytes_for(self.fingerprint.geometry, move.first)
+            elif move.from_nvme:
+                n = self._need_store().size_of(move.namespace, move.key)
+            else:
+                n = self._own_nbytes(move)
+            if n is None:
+                return None
+            sizes.append(int(n))
+        return sizes
 
     def _restore(self, job: Job, result: JobResult) -> None:
         import numpy as np
 
-        from kvtier.snapshot import read_blocks
+        from kvtier.snapshot import read_blocks, shard_path
 
-        wanted = {m.device_block: i for i, m in enumerate(job.moves)}  # snapshot position -> move
+        wanted = {m.position: i for i, m in enumerate(job.moves)}  # snapshot position -> move
         writes = []
-        for position, payload in read_blocks(job.path, expected_fingerprint=self.fingerprint):
+        for position, payload in read_blocks(shard_path(job.path, self.rank, self.shards),
+                                             expected_fingerprint=self.fingerprint):
             i = wanted.get(position)
             if i is None:
                 continue
@@ -503,5 +672,7 @@ class Mover:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def _sync(self) -> None:
+        """Wait for this job's copies on the mover's stream (a mover thread's wait, never the step's)."""
         if self._stream is not None:
+            self._note_sync()
             self._stream.synchronize()

@@ -355,9 +355,7 @@ def vllm_command(
 ) -> tuple[list[str], dict[str, str]]:
     """argv and environment for vLLM's OpenAI server with kvtier's connector.
 
-    The environment is ``base_env`` (default ``os.environ``) plus, on CPU, ``VLLM_TARGET_DEVICE=cpu``,
-    ``VLLM_CPU_KVCACHE_SPACE=4`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` -- each only if the user has
-    not set it.
+    The environment is ``base_env`` (default ``os.environ``) plus, on CPU, ``vllm_cpu_env``'s.
     """
     extra = list(extra_args)
     for arg in extra:
@@ -378,14 +376,49 @@ def vllm_command(
     cmd += extra
     env = dict(os.environ if base_env is None else base_env)
     if is_cpu_only() if cpu is None else cpu:
-        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env = vllm_cpu_env(env, extra)
+    return cmd, env
+
+
+def vllm_cpu_env(user: Mapping[str, str], vllm_args: Sequence[str], connector: bool = True) -> dict[str, str]:
+    """The environment vLLM's CPU backend gets from kvtier serve (each setting only if the user has
+    not made it): the CPU target, a 4 GiB KV cache, and the cores each rank's OpenMP threads use."""
+    env = dict(user)
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    tp = tensor_parallel_size(vllm_args)
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in user:
+        # one rank per group of cores, bound by hand (vLLM's automatic binding wants one NUMA node
+        # per rank), nothing reserved, and a KV cache space that fits every rank
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        per = max(1, len(cores) // tp)
+        groups = [cores[i * per:(i + 1) * per] or cores[-1:] for i in range(tp)]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, group)) for group in groups)
+        for name, value in (("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
+            if name not in user:
+                env[name] = value
+    if connector:
         # vLLM's CPU backend reserves one more core whenever a KV connector is configured (for
         # NIXL's prefill/decode transfers, which kvtier does not use). On a small box that changes
         # the model's OpenMP thread count, so outputs stop matching plain vLLM bit for bit (found
         # by `kvtier bench faults`); kvtier's mover threads share the scheduler's reserved core.
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    return cmd, env
+    return env
+
+
+def tensor_parallel_size(args: Sequence[str]) -> int:
+    """The ``--tensor-parallel-size`` / ``-tp`` among vLLM's own arguments (1 when absent)."""
+    args = list(args)
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in ("--tensor-parallel-size", "-tp"):
+            if not eq:
+                value = args[i + 1] if i + 1 < len(args) else "1"
+            try:
+                return max(1, int(value))
+            except ValueError:
+                raise UsageError(f"{flag} wants a whole number, got {value!r}", hint=f"e.g. {flag} 2") from None
+    return 1
 
 
 # ---- running it ------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.nvme import checksum, probe_direct_io
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "BlockEntry", "SnapshotInfo", "SnapshotWriter", "write_snapshot",
-           "open_snapshot", "read_blocks", "verify_snapshot", "remove_stale_temp_files"]
+           "open_snapshot", "read_blocks", "verify_snapshot", "remove_stale_temp_files", "shard_path"]
 
 MAGIC = b"KVTSNAP\0"
 FORMAT_VERSION = 1
@@ -361,6 +361,13 @@ class SnapshotWriter:
         _give_buffers(self._bufs)
 
 
+def shard_path(path: str | os.PathLike[str], rank: int, shards: int) -> str:
+    """The file one tensor-parallel rank's shard of a snapshot lives in: ``path`` itself for rank 0
+    (its header is the snapshot's, for listing and planning), ``<path>.rank<r>`` beside it for the
+    others. A snapshot taken at TP=N is these N files, and restores at TP=N."""
+    return str(path) if rank == 0 or shards <= 1 else f"{path}.rank{rank}"
+
+
 def write_snapshot(path: str | os.PathLike[str], fingerprint: ModelFingerprint, session_id: str,
                    namespace: bytes, codec: str, num_tokens: int, keys: Sequence[bytes],
                    payloads: Iterable[Any], token_ids: Sequence[int] = (), meta: dict | None = None,
@@ -517,6 +524,9 @@ def _check_layout(path: str, blocks: Sequence[BlockEntry], header_len: int, payl
 def _check_fingerprint(info: SnapshotInfo, expected: ModelFingerprint | bytes | None) -> None:
     digest = expected.digest if isinstance(expected, ModelFingerprint) else expected
     if digest is not None and bytes(digest) != info.fingerprint.digest:
+        if isinstance(expected, ModelFingerprint) and info.fingerprint.shards != expected.shards:
+            raise _fail(info.path, expected.mismatch(info.fingerprint), "snapshots restore at the "
+                        "tensor-parallel size they were taken at", FingerprintMismatchError)
         want = expected.model_id if isinstance(expected, ModelFingerprint) else bytes(digest).hex()
         raise _fail(info.path, f"taken with model {info.fingerprint.model_id!r} ({info.fingerprint.hex}), "
                     f"not the expected {want!r}", "restore it into the model, KV dtype and block size "

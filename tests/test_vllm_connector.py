@@ -39,7 +39,7 @@ def make_llm(model: str, nvme_dir=None, connector=True, dram_bytes=256 << 20, ma
 
     kwargs = dict(llm_kwargs)
     if connector:
-        extra = {"dram_bytes": dram_bytes, "model_id": "kvtier-demo-tiny", "synchronous": True}
+        extra = {"dram_bytes": dram_bytes, "model_id": "kvtier-demo-tiny"}
         extra.update(extra_config or {})
         if nvme_dir is not None:
             extra.update(nvme_dir=str(nvme_dir), nvme_bytes=1 << 30)

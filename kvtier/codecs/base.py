@@ -47,6 +47,9 @@ class Codec:
 
     spec: str = "none"
     lossy: bool = False
+    # capabilities the mover plans copies by (never ``isinstance``):
+    raw = False  # the payload is the block's own bytes: copy it, nothing to encode or decode
+    host_unpack = False  # a host-side layer (``unpack``) comes off before the device decodes ``inner``
 
     def max_bytes(self, geometry: "KVGeometry") -> int:
         """Upper bound of ``encode``'s output for one block of ``geometry``."""
@@ -77,6 +80,7 @@ class Codec:
 
 class Identity(Codec):
     spec = "none"
+    raw = True
 
     def max_bytes(self, geometry: "KVGeometry") -> int:
         return geometry.block_bytes
@@ -107,6 +111,8 @@ class _ZstdState(threading.local):
 
 class Zstd(Codec):
     """A lossless zstd layer (level 1) over another codec's bytes; compresses on the CPU."""
+
+    host_unpack = True
 
     def __init__(self, inner: Codec):
         self.inner = inner

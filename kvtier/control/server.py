@@ -127,8 +127,8 @@ class Ops:
         record.seconds = result.seconds
         record.bytes = result.bytes_moved
         record.finished = time.time()
-        if "path" in result.extra:
-            record.detail["path"] = result.extra["path"]
+        if result.path is not None:
+            record.detail["path"] = result.path
         self.latency.setdefault(record.kind, []).append(result.seconds)
         del self.latency[record.kind][:-1000]
         if record.session_id and self.busy.get(record.session_id) == record.job_id:

@@ -8,6 +8,10 @@ Two halves, like the rest of kvtier:
 * ``DramArena`` (worker side): the single allocation behind the slots, page-aligned so direct IO
   can read and write slots in place, and pinned when CUDA is present so host<->device copies run
   asynchronously at full PCIe speed.
+
+Pinning registers an anonymous mmap of exactly the budget with ``cudaHostRegister`` (as vLLM's
+own offloading does), instead of ``torch.empty(pin_memory=True)``: PyTorch's caching host
+allocator rounds every pinned request up to a power of two, so a 32 GiB budget would pin 64 GiB.
 """
 from __future__ import annotations
 
@@ -102,12 +106,7 @@ class DramArena:
         if pin is None:
             pin = torch.cuda.is_available()
         size = num_slots * self.slot_bytes
-        raw = _allocate(size + PAGE, pin)
-        # Page-align the arena so O_DIRECT can read/write slots without a bounce buffer.
-        shift = (-raw.data_ptr()) % PAGE
-        self._raw = raw
-        self.buffer = raw[shift : shift + size]
-        self.pinned = bool(pin and raw.is_pinned())
+        self.buffer, self.pinned = host_buffer(size, pin)  # page-aligned: O_DIRECT reads/writes slots in place
 
     @classmethod
     def for_allocator(cls, allocator: SlotAllocator, pin: bool | None = None) -> "DramArena":
@@ -145,21 +144,51 @@ def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
     return t.reshape(-1).view(torch.uint8)
 
 
-def aligned_empty(nbytes: int) -> "torch.Tensor":
+def aligned_empty(nbytes: int, pin: bool = False) -> "torch.Tensor":
     """A page-aligned uint8 buffer of ``nbytes`` (rounded up to a page), so O_DIRECT reads land in
-    it without a bounce copy."""
-    padded = round_up(nbytes)
-    raw = _allocate(padded + PAGE, pin=False)
-    shift = (-raw.data_ptr()) % PAGE
-    return raw[shift : shift + padded]
+    it without a bounce copy; pinned (registered) when ``pin`` and CUDA allow it."""
+    return host_buffer(round_up(nbytes), pin)[0]
 
 
-def _allocate(size: int, pin: bool) -> "torch.Tensor":
+class _Mapping:
+    """Owns one anonymous mmap and its CUDA registration; both end when the last view is gone."""
+
+    def __init__(self, size: int):
+        import mmap
+
+        self.map = mmap.mmap(-1, max(size, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.registered = 0  # the registered address (0: not pinned)
+
+    def __del__(self) -> None:
+        if self.registered:
+            _cudart_call("cudaHostUnregister", self.registered)
+
+
+def _cudart_call(name: str, *args) -> int:
+    """A CUDA runtime call through PyTorch's bindings; its error code (0: success)."""
     import torch
 
-    if pin:
-        try:
-            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as exc:  # memlock limits, no driver: fall back, say so once
-            log.warning("DRAM tier: pinned allocation of %d bytes failed (%s); using pageable memory", size, exc)
-    return torch.empty(size, dtype=torch.uint8)
+    result = getattr(torch.cuda.cudart(), name)(*args)
+    return int(getattr(result, "value", result) or 0)
+
+
+def host_buffer(size: int, pin: bool) -> tuple["torch.Tensor", bool]:
+    """``size`` bytes of page-aligned host memory as a uint8 tensor, and whether it is pinned.
+
+    The memory is an anonymous mmap (page-aligned, exactly ``size`` rounded to a page), registered
+    with ``cudaHostRegister`` when ``pin``: no power-of-two rounding, and pages are committed as
+    they are touched until then. A failed registration (memlock limits, no driver) falls back to
+    pageable memory and says so."""
+    import torch
+
+    mapping = _Mapping(round_up(size))
+    tensor = torch.frombuffer(mapping.map, dtype=torch.uint8)[:size]
+    tensor._kvtier_mapping = mapping  # keeps the mmap (and its registration) alive with the tensor
+    if pin and torch.cuda.is_available() and size:
+        code = _cudart_call("cudaHostRegister", tensor.data_ptr(), round_up(size), 0)
+        if code == 0:
+            mapping.registered = tensor.data_ptr()
+        else:
+            log.warning("DRAM tier: cudaHostRegister of %d bytes failed (error %d); using pageable memory",
+                        size, code)
+    return tensor, bool(mapping.registered)

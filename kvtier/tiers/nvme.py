@@ -40,7 +40,7 @@ from kvtier.tiers.dram import PAGE, round_up
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["BlockRecord", "NvmeStore", "checksum", "file_bytes_for", "probe_direct_io"]
+__all__ = ["BlockRecord", "NvmeStore", "checksum", "file_bytes_for", "probe_direct_io", "scan_shards", "shard_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,30 @@ class BlockRecord:
     namespace: bytes
     key: bytes
     nbytes: int  # payload bytes; the file holds file_bytes_for(nbytes)
+
+
+def shard_dir(root: str | os.PathLike, rank: int, shards: int) -> Path:
+    """Where one tensor-parallel rank keeps its block files: the root itself with one rank (as
+    always), ``<root>/tp<N>-rank<r>`` with N ranks (each rank's files hold its own KV heads)."""
+    return Path(root) if shards <= 1 else Path(root) / f"tp{shards}-rank{rank}"
+
+
+def scan_shards(root: str | os.PathLike, capacity_bytes: int, shards: int, direct: str = "auto") -> tuple[list, int]:
+    """The blocks every rank holds (a block is usable only when all its shards are on disk; the
+    largest shard's size counts) and the damaged files removed on the way."""
+    merged: dict[tuple[bytes, bytes], BlockRecord] = {}
+    removed = 0
+    for rank in range(shards):
+        store = NvmeStore(shard_dir(root, rank, shards), capacity_bytes, io_threads=1, direct=direct)
+        records = store.scan()
+        removed += store.removed_at_scan
+        store.close()
+        if rank == 0:
+            merged = {(r.namespace, r.key): r for r in records}
+            continue
+        seen = {(r.namespace, r.key): r for r in records}
+        merged = {k: BlockRecord(k[0], k[1], max(r.nbytes, seen[k].nbytes)) for k, r in merged.items() if k in seen}
+    return list(merged.values()), removed
 
 
 def probe_direct_io(directory: Path) -> bool:
@@ -192,6 +216,10 @@ class NvmeStore:
 
     def contains(self, namespace: bytes, key: bytes) -> bool:
         return (namespace, key) in self._sizes
+
+    def size_of(self, namespace: bytes, key: bytes) -> int | None:
+        """Payload bytes of a stored block (None when it is not stored)."""
+        return self._sizes.get((namespace, key))
 
     @property
     def num_blocks(self) -> int:

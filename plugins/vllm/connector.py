@@ -1,9 +1,12 @@
 """``KVTierConnector``: kvtier inside vLLM, as a KV connector (vLLM 0.32, KVConnectorBase_V1).
 
-A thin facade: vLLM builds it twice, with role SCHEDULER (engine-core process) and role WORKER
-(each worker process); the first delegates to ``KVTierScheduler`` (decides), the second to
-``KVTierWorker`` (moves bytes). Per step the scheduler half's jobs travel in ``KVTierMetadata``;
-the worker's results come back in ``KVTierWorkerMetadata``.
+A thin facade: vLLM builds it once with role SCHEDULER (engine-core process) and once per
+tensor-parallel rank with role WORKER (each worker process); the first delegates to
+``KVTierScheduler`` (decides), the others to ``KVTierWorker`` (move their rank's bytes). Per step
+the scheduler half's jobs travel in ``KVTierMetadata`` to every rank; each rank's results come back
+in ``KVTierWorkerMetadata`` (vLLM concatenates the ranks' with ``aggregate``). Loads are
+asynchronous (vLLM holds the request until every rank's ``get_finished`` reports it) and stores
+run behind the step, as in vLLM's own OffloadingConnector.
 
 Use it from any vLLM: ``--kv-transfer-config '{"kv_connector":"KVTierConnector","kv_role":
 "kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"dram_bytes":...,
@@ -19,10 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from kvtier.jobs import Job, JobResult
-from kvtier.plugins.vllm.geometry import fingerprint_from_vllm
+from kvtier.plugins.vllm.geometry import check_supported, fingerprint_from_vllm, parallel_of, warn_untested_vllm
 
 __all__ = ["KVTierConnector", "KVTierMetadata", "KVTierWorkerMetadata"]
 
@@ -32,6 +36,9 @@ class KVTierMetadata(KVConnectorMetadata):
     jobs: list[Job] = field(default_factory=list)
     missing_blocks: list[int] = field(default_factory=list)  # promised but unloadable: load errors
     freed_slots: list[int] = field(default_factory=list)  # DRAM slots the manager released
+    recv_now: list[str] = field(default_factory=list)  # async loads with nothing left to load: done at once
+    flush_jobs: list[int] = field(default_factory=list)  # stores of preempted requests: done before the forward
+    finish_after_stores: list[str] = field(default_factory=list)  # finished requests vLLM holds for our stores
 
 
 @dataclass
@@ -39,24 +46,30 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     results: list[JobResult] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVTierWorkerMetadata":
+        """vLLM folds every rank's metadata into one: each result says its rank, and the scheduler
+        half applies a job once all ranks have reported it."""
         assert isinstance(other, KVTierWorkerMetadata)
         return KVTierWorkerMetadata(self.results + other.results)
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        check_supported(vllm_config, kv_cache_config)  # one clear error at start, not a traceback per step
         fingerprint = fingerprint_from_vllm(vllm_config, extra)
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from kvtier.plugins.vllm.scheduler import KVTierScheduler
 
             self._scheduler = KVTierScheduler(vllm_config, fingerprint, extra)
+            untested = warn_untested_vllm()
+            if untested:
+                self._scheduler.manager.warnings["vllm_version"] = untested
         else:
             from kvtier.plugins.vllm.worker import KVTierWorker
 
-            self._worker = KVTierWorker(fingerprint, extra)
+            self._worker = KVTierWorker(fingerprint, extra, rank=parallel_of(vllm_config)[0])
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -79,8 +92,10 @@ class KVTierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         with self._scheduler.lock:
             self._scheduler.step_started(scheduler_output)
-            jobs, missing = self._scheduler.build_jobs(scheduler_output)
-            return KVTierMetadata(jobs=jobs, missing_blocks=missing, freed_slots=self.manager.slots.drain_freed())
+            step = self._scheduler.build_jobs(scheduler_output)
+            return KVTierMetadata(jobs=step.jobs, missing_blocks=step.missing, recv_now=step.recv_now,
+                                  flush_jobs=step.flush_jobs, finish_after_stores=step.finish_after_stores,
+                                  freed_slots=self.manager.slots.drain_freed())
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -91,29 +106,46 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         with self._scheduler.lock:
-            return False, self._scheduler.request_finished(request)
+            return self._scheduler.request_finished(request)
 
-    # ---- worker side --------------------------------------------------------------------------
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    # ---- worker side (every call here is on vLLM's step path: nothing waits for a copy) ---------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def _meta(self) -> KVTierMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         self._worker.apply(meta)
-        self._worker.start_load_kv(meta.jobs, meta.missing_blocks)
+        return meta
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if isinstance(kv_connector_metadata, KVTierMetadata) and kv_connector_metadata.flush_jobs:
+            with self._worker.on_step():
+                self._worker.apply(kv_connector_metadata)
+                self._worker.handle_preemptions(kv_connector_metadata.flush_jobs)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        with self._worker.on_step():
+            meta = self._meta()
+            self._worker.start_load_kv(meta.jobs, meta.missing_blocks, meta.recv_now)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
+        return  # loads are asynchronous: their requests run only once they are done
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # whole blocks are saved in wait_for_save, once every layer is written
+        return  # whole blocks are stored after the forward pass, once every layer is written
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVTierMetadata)
-        self._worker.apply(meta)
-        self._worker.wait_for_save(meta.jobs)
+        with self._worker.on_step():
+            meta = self._meta()
+            self._worker.wait_for_save(meta.jobs)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._worker.on_step():
+            return self._worker.get_finished(self._meta().finish_after_stores)
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
         results = self._worker.take_results()

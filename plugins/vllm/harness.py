@@ -31,7 +31,8 @@ def cpu_environment(tmp: str | None = None) -> None:
 
 
 class Engine:
-    """One vLLM engine; with ``kvtier=True`` it runs the KVTierConnector (synchronous IO)."""
+    """One vLLM engine; with ``kvtier=True`` it runs the KVTierConnector (asynchronous transfers, as
+    served; ``extra={"synchronous": True}`` runs them on the step path instead)."""
 
     def __init__(self, model: str, kvtier: bool, nvme_dir: str | Path | None = None, dram_bytes: int = 2 << 30,
                  max_len: int = 16384 + 256, max_batched: int = 2048, model_id: str | None = None,
@@ -41,7 +42,7 @@ class Engine:
 
         kwargs: dict[str, Any] = {}
         if kvtier:
-            config = {"dram_bytes": dram_bytes, "model_id": model_id or Path(model).name, "synchronous": True}
+            config = {"dram_bytes": dram_bytes, "model_id": model_id or Path(model).name}
             if nvme_dir is not None:
                 config.update(nvme_dir=str(nvme_dir), nvme_bytes=64 << 30)
             config.update(extra or {})
@@ -71,10 +72,21 @@ class Engine:
         out = self.generate(prompt_ids, max_tokens)
         return time.perf_counter() - start, out
 
-    def run_job(self, job) -> None:
-        """Ship an operator job to the worker with one engine step (a one-token request)."""
+    def run_job(self, job, timeout_s: float = 600.0) -> None:
+        """Ship an operator job to the worker and step the engine (one-token requests) until its
+        result is back (a background job finishes a step or more after it ships)."""
+        if job is None:
+            return
         self.connector._scheduler.enqueue(job)
-        self.generate([7, 8, 9], 1)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.generate([7, 8, 9], 1)
+            with self.connector._scheduler.lock:
+                if job.job_id not in self.manager.jobs:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kvtier job {job.job_id} ({job.kind.value}) did not finish in {timeout_s:.0f} s")
+            time.sleep(0.01)
 
     def forget_hbm(self) -> None:
         self.llm.reset_prefix_cache()

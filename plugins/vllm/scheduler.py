@@ -12,7 +12,14 @@ Rules that follow from how vLLM's scheduler calls a connector (see docs/architec
 * A block is stored once its KV has been computed: at the step where the request's computed tokens
   (before the step + scheduled in it) cover the whole block. Chunked prefill and decode follow.
 * Preemption frees a request's HBM blocks; its next admission is a fresh lookup with a new block
-  table, and stores resume from what kvtier already holds.
+  table, and stores resume from what kvtier already holds. Stores of a preempted request still
+  running are named in the next step's ``flush_jobs``: the workers finish them before the forward
+  pass that may reuse those blocks.
+* Loads are asynchronous: ``(n, True)``; the request waits inside vLLM until every rank reported
+  its load done. Stores run behind the step: a request that finishes with stores in flight is held
+  (``request_finished`` returns True) until every rank reports them done.
+* With tensor parallelism every job runs on every rank; a job is applied once all ranks reported
+  it (``_merge``), and a block written behind counts once every rank wrote its shard.
 """
 from __future__ import annotations
 
@@ -29,12 +36,13 @@ from kvtier.config import write_behind_seconds
 from kvtier.costmodel import CostModel, DEFAULT_RATES, measure_rates, parse_link_caps
 from kvtier.decide import LoadCandidate, blocks_to_load, worth_keeping
 from kvtier.index import IN_DRAM, namespace_of, validate_session_id
-from kvtier.jobs import Job, JobKind
+from kvtier.jobs import Job, JobKind, RankMerger
 from kvtier.layout import ModelFingerprint
 from kvtier.manager import TierManager
-from kvtier.tiers.nvme import NvmeStore
+from kvtier.tiers.nvme import scan_shards
+from kvtier.plugins.vllm.geometry import shard_budgets
 
-__all__ = ["KVTierScheduler", "RequestState", "session_of", "wait_until_quiet"]
+__all__ = ["KVTierScheduler", "RequestState", "StepPlan", "session_of", "wait_until_quiet"]
 
 log = logging.getLogger("kvtier.connector")
 
@@ -67,6 +75,17 @@ def wait_until_quiet(idle_for: Any, stopping: threading.Event, quiet_s: float, p
 
 
 @dataclass
+class StepPlan:
+    """What one step ships to every rank."""
+
+    jobs: list[Job] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)  # HBM blocks promised but not loadable: load errors
+    recv_now: list[str] = field(default_factory=list)  # async loads with no job left: done at once
+    flush_jobs: list[int] = field(default_factory=list)  # running stores of preempted requests
+    finish_after_stores: list[str] = field(default_factory=list)  # finished requests held for their stores
+
+
+@dataclass
 class RequestState:
     request: Any
     namespace: bytes
@@ -84,19 +103,18 @@ class KVTierScheduler:
     def __init__(self, vllm_config: Any, fingerprint: ModelFingerprint, extra: dict):
         self.fingerprint = fingerprint
         self.block_tokens = fingerprint.geometry.block_tokens
-        nvme_dir, nvme_bytes = extra.get("nvme_dir"), int(extra.get("nvme_bytes", 0))
+        self.shards = fingerprint.shards  # tensor-parallel ranks: each reports every job
+        dram_bytes, nvme_bytes = shard_budgets(extra, self.shards)  # per rank: the manager plans one rank's slots
+        nvme_dir = extra.get("nvme_dir")
         records, removed = [], 0
         cold_dir = nvme_dir if nvme_dir and nvme_bytes else None  # the NVMe tier's dir, when it is on
         if cold_dir:
-            scanner = NvmeStore(nvme_dir, nvme_bytes, io_threads=1, direct=str(extra.get("direct_io", "auto")))
-            records = scanner.scan()
-            removed = scanner.removed_at_scan
-            scanner.close()
+            records, removed = scan_shards(nvme_dir, nvme_bytes, self.shards, str(extra.get("direct_io", "auto")))
         use_catalog = str(extra.get("catalog", "true")).lower() not in ("0", "false", "no", "off")
         self.catalog, catalog_problem = self._open_catalog(cold_dir if use_catalog else None, fingerprint)
         self.manager = TierManager(
             fingerprint,
-            dram_bytes=int(extra.get("dram_bytes", 4 << 30)),
+            dram_bytes=dram_bytes,
             nvme_bytes=nvme_bytes if nvme_dir else 0,
             policy=str(extra.get("policy", "lru")),
             high_watermark=float(extra.get("high_watermark", 0.90)),
@@ -119,6 +137,11 @@ class KVTierScheduler:
             threading.Thread(target=self._refresh_rates, args=(extra, cold_dir, refresh_s), name="kvtier-rates",
                              daemon=True).start()
         self.requests: dict[str, RequestState] = {}
+        self._ranks = RankMerger(self.shards)  # a job is applied once every rank reported it
+        self._stores_of: dict[str, set[int]] = {}  # request -> its STORE jobs not yet done on every rank
+        self._store_req: dict[int, str] = {}  # STORE job -> its request
+        self._finish_after_stores: list[str] = []  # finished, held by vLLM until their stores are done
+        self._recv_now: list[str] = []  # async loads that found nothing left to load
         self._steps: deque = deque()  # (start time, prefill shape or None) of steps in flight
         self._jobs: list[Job] = []  # planned this step, shipped by build_connector_meta
         self._missing: list[int] = []  # HBM blocks promised but not loadable: load errors
@@ -348,7 +371,8 @@ class KVTierScheduler:
         return state
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens kvtier can load beyond vLLM's own hit (synchronously, before the forward)."""
+        """Tokens kvtier can load beyond vLLM's own hit, and True: the load is asynchronous (vLLM
+        holds the request until the workers report it done)."""
         state = self._state(request)
         state.local_tokens = num_computed_tokens  # vLLM's own hit; update_state_after_alloc needs it
         bs = self.block_tokens
@@ -365,7 +389,7 @@ class KVTierScheduler:
                                   prompt_tokens=request.num_tokens)
         n = blocks_to_load(candidate, self.cost)
         state.decision = "recompute" if n == 0 else "load" if n == hit else "split"
-        return n * bs, False
+        return n * bs, n > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._state(request)
@@ -384,19 +408,24 @@ class KVTierScheduler:
         job = self.manager.prepare_load(rows, block_ids[start : start + len(rows)])
         loaded = len(job.moves) if job else 0
         if job is not None:
-            job.session_id = state.session_id
+            job.session_id, job.req_id = state.session_id, request.request_id
             self._jobs.append(job)
+        else:  # nothing left to load: the workers report the request done at once
+            self._recv_now.append(request.request_id)
         if loaded < count:  # blocks gone since the lookup: reported as load errors, vLLM recomputes them
             self._missing.extend(block_ids[start + loaded : start + count])
         state.loaded_tokens = num_external_tokens
         self.manager.counters["loaded_tokens"] += num_external_tokens
 
     # ---- per step -----------------------------------------------------------------------------
-    def build_jobs(self, scheduler_output: Any) -> tuple[list[Job], list[int]]:
+    def build_jobs(self, scheduler_output: Any) -> StepPlan:
         """This step's jobs (loads planned at admission, stores of the blocks it completes,
-        watermark pressure) and the HBM blocks that were promised but cannot be loaded."""
+        watermark pressure), the HBM blocks that were promised but cannot be loaded, and the
+        fences: stores of preempted requests to finish first, finished requests held for theirs."""
         self._track_block_tables(scheduler_output)
-        self.manager.counters["preempted_requests"] += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        self.manager.counters["preempted_requests"] += len(preempted)
+        flush = [job_id for req_id in preempted for job_id in self._stores_of.get(req_id, ())]
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is not None:
@@ -408,7 +437,9 @@ class KVTierScheduler:
         jobs.extend(self.manager.maintenance())
         if self.ops is not None:
             self.ops.shipped(job.job_id for job in jobs)
-        return jobs, missing
+        plan = StepPlan(jobs, missing, self._recv_now, flush, self._finish_after_stores)
+        self._recv_now, self._finish_after_stores = [], []
+        return plan
 
     def _track_block_tables(self, scheduler_output: Any) -> None:
         for new in scheduler_output.scheduled_new_reqs:
@@ -446,6 +477,9 @@ class KVTierScheduler:
         job = self.manager.prepare_store(state.session_id, state.namespace, keys[first:full], state.block_ids[first:full],
                                          start=first)
         if job is not None:
+            job.req_id = request.request_id
+            self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
+            self._store_req[job.job_id] = job.req_id
             self._jobs.append(job)
         # Blocks DRAM had no room for are offered again next step (demotion makes room meanwhile),
         # as long as the request holds them in HBM.
@@ -460,27 +494,42 @@ class KVTierScheduler:
 
     def complete(self, results: list) -> None:
         for result in results:
-            if result.job_id < 0 and "written_behind" in result.extra:  # the worker's own write-behind
-                extra = result.extra
-                self.enqueue(self.manager.note_written_behind(extra["written_behind"], result.error,
-                                                              bool(extra.get("nvme_recreated")),
-                                                              bool(extra.get("disk_ok")), extra.get("disk_free")))
-            elif result.job_id >= 0:
-                job = self.manager.jobs.get(result.job_id)
-                if job is not None and job.kind == JobKind.LOAD and result.ok and \
-                        not any(move.from_nvme for move in job.moves):
-                    # the live DRAM->HBM cost, in the model's own unit (blocks at the warm codec's size)
-                    self.cost.observe_load(len(job.moves) * self.cost.dram_block_bytes, result.seconds)
-                self.manager.complete(result)
-                if self.ops is not None:
-                    self.ops.finished(result)
+            if result.job_id < 0 and result.written_behind is not None:  # the worker's own write-behind
+                self.enqueue(self.manager.note_written_behind(self._ranks.written(result), result.error,
+                                                              result.nvme_recreated, result.disk_ok,
+                                                              result.disk_free))
+                continue
+            if result.job_id < 0:
+                continue
+            result = self._ranks.job(result)
+            if result is None:
+                continue
+            req_id = self._store_req.pop(result.job_id, None)
+            if req_id is not None:
+                pending = self._stores_of.get(req_id)
+                if pending is not None:
+                    pending.discard(result.job_id)
+                    if not pending:
+                        del self._stores_of[req_id]
+            job = self.manager.jobs.get(result.job_id)
+            if job is not None and job.kind == JobKind.LOAD and result.ok and \
+                    not any(move.from_nvme for move in job.moves):
+                # the live DRAM->HBM cost, in the model's own unit (blocks at the warm codec's size)
+                self.cost.observe_load(len(job.moves) * self.cost.dram_block_bytes, result.seconds)
+            self.manager.complete(result)
+            if self.ops is not None:
+                self.ops.finished(result)
 
-    def request_finished(self, request: Any) -> dict | None:
+    def request_finished(self, request: Any) -> tuple[bool, dict | None]:
+        """(hold the request's blocks until its stores are done on every rank, its transfer params)."""
+        held = bool(self._stores_of.get(request.request_id))
+        if held:
+            self._finish_after_stores.append(request.request_id)
         state = self.requests.get(request.request_id)
         if state is None:
-            return None
+            return held, None
         session = self.manager.sessions.get(state.session_id)
         if session is not None:
             session.hot = False
-        return {"kvtier": {"session_id": state.session_id, "loaded_tokens": state.loaded_tokens}}
+        return held, {"kvtier": {"session_id": state.session_id, "loaded_tokens": state.loaded_tokens}}
 

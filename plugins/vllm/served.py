@@ -20,7 +20,7 @@ class Served:
     ``base/nvme`` unless ``nvme_dir``), ready when constructed. Greedy 8-token completions."""
 
     def __init__(self, model: str, base: Path, name: str, max_len: int, write_behind: str = "10",
-                 nvme_dir: Path | None = None):
+                 nvme_dir: Path | None = None, vllm_args: tuple[str, ...] = (), connector: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = base / f"{name}.log"
@@ -29,11 +29,19 @@ class Served:
                         XDG_RUNTIME_DIR=str(base / "run"), KVTIER_SNAPSHOT_DIR=str(base / "snapshots"))
         (base / "run").mkdir(exist_ok=True)
         self.socket = str(base / "run" / "kvtier.sock")
-        cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", model, "--port", str(self.port),
-               "--dram", "1GiB", "--nvme-dir", str(nvme_dir or base / "nvme"), "--nvme", "8GiB",
-               "--write-behind", write_behind,
-               "--", "--max-model-len", str(max_len), "--enforce-eager", "--served-model-name", "tiny",
-               "--max-num-seqs", "1"]
+        served = ["--max-model-len", str(max_len), "--enforce-eager", "--served-model-name", "tiny",
+                  "--max-num-seqs", "1", *vllm_args]
+        if connector:
+            cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", model, "--port", str(self.port),
+                   "--dram", "1GiB", "--nvme-dir", str(nvme_dir or base / "nvme"), "--nvme", "8GiB",
+                   "--write-behind", write_behind, "--", *served]
+        else:  # plain vLLM with kvtier serve's environment (the same cores, threads and KV space)
+            from kvtier.serve import is_cpu_only, vllm_cpu_env
+
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                   "--port", str(self.port), *served]
+            self.env = vllm_cpu_env(self.env, served, connector=False) if is_cpu_only() else self.env
+            self.socket = ""
         self.log = open(self.log_path, "w")
         started = time.perf_counter()
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,

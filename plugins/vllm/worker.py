@@ -1,12 +1,18 @@
 """The connector's worker half: vLLM's KV tensors, the DRAM arena, the NVMe store and the mover.
 
-Runs in the worker process (the same process when vLLM runs in-process). It executes the jobs in
-each step's metadata and decides nothing:
-* loads run in ``start_load_kv``, before the forward pass that needs them;
-* stores run in ``wait_for_save``, after the forward pass that computed the blocks: on the CPU a
-  memcpy-speed copy into DRAM slots, so no later step can overwrite a block before it is saved;
-* everything else (demotions to NVMe, promotions, drops) runs on the mover's threads, off the
-  forward path;
+Runs in each worker process (one per tensor-parallel rank; the same process as the engine when
+vLLM runs in-process). It executes the jobs in each step's metadata on its own shard of every
+block (its KV heads) and decides nothing. Nothing on the step path waits for a copy (the protocol
+of vLLM's own OffloadingConnector, with kvtier's sessions, codecs and tiers behind it):
+* loads are asynchronous: the scheduler half answered ``(n, True)``, the request waits in vLLM
+  until this rank's ``get_finished`` reports it (vLLM counts the ranks); the load, NVMe reads
+  included, runs on the mover's threads;
+* stores are queued in ``wait_for_save``, after the forward pass that computed the blocks, as one
+  batch on the copy thread (on CUDA after an event on the compute stream). vLLM keeps a finished
+  request's blocks until its stores are done on every rank (``request_finished`` said so); a
+  preempted request's stores are waited for in ``handle_preemptions`` before its blocks can be
+  reused -- the one wait on the step path, counted in ``step_syncs``;
+* everything else (demotions to NVMe, promotions, drops) runs on the mover's threads too;
 * write-behind: a thread of its own gives every DRAM block that has had no NVMe copy for
   ``write_behind`` seconds one (a pinned session's at once), whether or not the engine steps, so
   a crash -- or a vLLM shutdown that kills this process before ``shutdown`` runs -- loses at most
@@ -16,6 +22,7 @@ Results go back to the scheduler half in the worker metadata of the step that fi
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -29,8 +36,8 @@ from kvtier.layout import ModelFingerprint, adapter_for
 from kvtier.mover import Mover
 from kvtier.codecs import get_codec, resolve_codec
 from kvtier.tiers.dram import DramArena, SlotAllocator
-from kvtier.tiers.nvme import NvmeStore, file_bytes_for
-from kvtier.plugins.vllm.geometry import layout_name
+from kvtier.tiers.nvme import NvmeStore, file_bytes_for, shard_dir
+from kvtier.plugins.vllm.geometry import layout_name, shard_budgets
 
 __all__ = ["KVTierWorker"]
 
@@ -45,9 +52,14 @@ def _layer_index(name: str) -> int:
 
 
 class KVTierWorker:
-    def __init__(self, fingerprint: ModelFingerprint, extra: dict):
-        self.fingerprint = fingerprint
+    def __init__(self, fingerprint: ModelFingerprint, extra: dict, rank: int = 0):
+        self.rank, self.shards = rank, fingerprint.shards
+        self.fingerprint = fingerprint.for_rank(rank) if self.shards > 1 else fingerprint  # its files carry it
         self.extra = extra
+        self._lock = threading.Lock()  # the transfer bookkeeping below (mover threads finish jobs)
+        self._stores_of: dict[str, set[int]] = {}  # request -> its STORE jobs still running on this rank
+        self._awaiting_stores: set[str] = set()  # finished requests whose blocks vLLM holds for our stores
+        self._finished_recving: set[str] = set()  # requests whose loads are done on this rank
         self.mover: Mover | None = None
         self.nvme: NvmeStore | None = None
         self._results: list[JobResult] = []
@@ -66,17 +78,18 @@ class KVTierWorker:
         layers = [kv_caches[name] for name in names]
         geometry = self.fingerprint.geometry
         warm = get_codec(resolve_codec(str(self.extra.get("warm_codec", "none")), geometry))
-        slots = SlotAllocator(int(self.extra.get("dram_bytes", 4 << 30)), warm.max_bytes(geometry))  # as the scheduler
+        dram_bytes, nvme_bytes = shard_budgets(self.extra, self.shards)
+        slots = SlotAllocator(dram_bytes, warm.max_bytes(geometry))  # the same slots as the scheduler's
         arena = DramArena.for_allocator(slots)
-        nvme_dir, nvme_bytes = self.extra.get("nvme_dir"), int(self.extra.get("nvme_bytes", 0))
+        nvme_dir = self.extra.get("nvme_dir")
         if nvme_dir and nvme_bytes:
-            self.nvme = NvmeStore(nvme_dir, nvme_bytes, int(self.extra.get("io_threads", 8)),
-                                  str(self.extra.get("direct_io", "auto")))
+            self.nvme = NvmeStore(shard_dir(nvme_dir, self.rank, self.shards), nvme_bytes,
+                                  int(self.extra.get("io_threads", 8)), str(self.extra.get("direct_io", "auto")))
             self.nvme.scan()
         adapter = adapter_for(layout_name(layers[0]), geometry)
-        self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers)
-        log.info("kvtier worker: %d KV layers (%s layout), DRAM arena %d MiB%s", len(layers), adapter.name,
-                 arena.buffer.numel() >> 20, " (pinned)" if arena.pinned else "")
+        self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers, rank=self.rank, shards=self.shards)
+        log.info("kvtier worker rank %d/%d: %d KV layers (%s layout), DRAM arena %d MiB%s", self.rank, self.shards,
+                 len(layers), adapter.name, arena.buffer.numel() >> 20, " (pinned)" if arena.pinned else "")
         window = write_behind_seconds(self.extra.get("write_behind", "10")) if self.nvme is not None else None
         if window is not None:
             self._writer = threading.Thread(target=self._write_behind, args=(window,), name="kvtier-write-behind",
@@ -103,8 +116,8 @@ class KVTierWorker:
         while not self._stopping.wait(tick + backoff):
             try:
                 if store.check_present() and self.mover.take_recreated():  # wiped: what it held is lost
-                    self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=True,
-                                              extra={"written_behind": [], "nvme_recreated": True}))
+                    self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=True, rank=self.rank,
+                                              written_behind=[], nvme_recreated=True))
                 while not self._stopping.is_set() and not self.write_behind_paused.is_set():
                     # the disk and the cores are the forward pass's while it runs: a busy engine only
                     # gets the blocks past twice the window (and pinned sessions' at once), in small
@@ -125,10 +138,10 @@ class KVTierWorker:
                         if error:
                             self.mover.disk_failed_at = time.monotonic()
                     if written or error or not due:
-                        self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error,
-                                                  extra={"written_behind": written, "disk_ok": error is None,
-                                                         "nvme_recreated": self.mover.take_recreated(),
-                                                         "disk_free": store.free_bytes()}))
+                        self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error, rank=self.rank,
+                                                  written_behind=written, disk_ok=error is None,
+                                                  nvme_recreated=self.mover.take_recreated(),
+                                                  disk_free=store.free_bytes()))
                     backoff = min(30.0, max(1.0, 2 * backoff)) if error else 0.0
                     if error or not written:
                         break
@@ -146,33 +159,102 @@ class KVTierWorker:
         """Seconds since the last forward pass ended; 0 while one runs."""
         return 0.0 if self._in_step else time.monotonic() - self._step_ended
 
-    def start_load_kv(self, jobs: list[Job], missing: list[int]) -> None:
+    @contextlib.contextmanager
+    def on_step(self):
+        """Marks vLLM's step calls: a blocking wait for a transfer inside counts in ``step_syncs``."""
+        step = self.mover.step if self.mover is not None else None
+        if step is not None:
+            step.active = True
+        try:
+            yield
+        finally:
+            if step is not None:
+                step.active = False
+
+    @property
+    def step_syncs(self) -> int:
+        return self.mover.step_syncs if self.mover is not None else 0
+
+    def handle_preemptions(self, flush_jobs: list[int]) -> None:
+        """Before a forward that may reuse the HBM blocks of preempted requests: their stores must
+        have read them (the only wait on the step path, and only on preemption)."""
+        if flush_jobs and self.mover is not None:
+            self.mover.wait_jobs(flush_jobs)
+
+    def start_load_kv(self, jobs: list[Job], missing: list[int], recv_now: list[str]) -> None:
+        """Queue this step's loads on the mover (vLLM calls this after launching the forward pass
+        of the requests that are running); their requests resume once ``get_finished`` says so."""
         self._in_step = True
-        self._load_errors.update(missing)
+        synchronous = bool(self.extra.get("synchronous", False))
+        with self._lock:
+            self._load_errors.update(missing)
+            self._finished_recving.update(recv_now)  # nothing could be loaded: resume them at once
         for job in jobs:
-            if job.kind == JobKind.LOAD:
-                self._run_now(job)
+            if job.kind != JobKind.LOAD:
+                continue
+            if synchronous:
+                result = self.mover.run(job)
+                self._load_done(job, result)
+                self._results.append(result)
+            else:
+                self.mover.submit(job, self._load_done)
 
     def wait_for_save(self, jobs: list[Job]) -> None:
+        """Queue this step's stores (one batch on the copy thread, fenced by an event on the compute
+        stream) and its background jobs; nothing here waits for a copy."""
         synchronous = bool(self.extra.get("synchronous", False))  # tests and debugging: no background IO
+        stores = [job for job in jobs if job.kind == JobKind.STORE]
+        if stores:
+            with self._lock:
+                for job in stores:
+                    if job.req_id is not None:
+                        self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
+            if synchronous:
+                for job in stores:
+                    result = self.mover.run(job)
+                    self._store_done(job, result)
+                    self._results.append(result)
+            else:
+                self.mover.submit_stores(stores, self._store_done)
         for job in jobs:
-            if job.kind == JobKind.STORE or (synchronous and job.kind != JobKind.LOAD):
-                self._run_now(job)
-            elif job.kind != JobKind.LOAD:
+            if job.kind in (JobKind.STORE, JobKind.LOAD):
+                continue
+            if synchronous:
+                self._results.append(self.mover.run(job))
+            else:
                 self.mover.submit(job)
         self._in_step, self._step_ended = False, time.monotonic()
 
-    def _run_now(self, job: Job) -> None:
-        started = time.perf_counter()
-        result = self.mover.run(job)
-        if job.kind == JobKind.LOAD and self._caps:
-            self._pace(job, result, time.perf_counter() - started)
-            result.seconds = time.perf_counter() - started  # what the capped link cost, as the cost model sees it
-        if job.kind == JobKind.LOAD and not result.ok:
-            failed = result.failed or range(len(job.moves))
-            self._load_errors.update(job.moves[i].device_block for i in failed)
-            log.warning("kvtier: %d blocks failed to load (%s); vLLM recomputes them", len(failed), result.error)
-        self._results.append(result)
+    def _store_done(self, job: Job, result: JobResult) -> None:  # on the copy thread
+        if job.req_id is None:
+            return
+        with self._lock:
+            pending = self._stores_of.get(job.req_id)
+            if pending is not None:
+                pending.discard(job.job_id)
+                if not pending:
+                    del self._stores_of[job.req_id]
+
+    def _load_done(self, job: Job, result: JobResult) -> None:  # on a mover thread
+        if self._caps:
+            self._pace(job, result, result.seconds)
+        with self._lock:
+            if not result.ok:
+                failed = result.failed or range(len(job.moves))
+                self._load_errors.update(job.moves[i].device_block for i in failed)
+                log.warning("kvtier: %d blocks failed to load (%s); vLLM recomputes them", len(failed), result.error)
+            if job.req_id is not None:  # errors and the request's end travel in the same step (or errors first)
+                self._finished_recving.add(job.req_id)
+
+    def get_finished(self, finish_after_stores: list[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose blocks vLLM may now free: their stores on this rank are done, requests
+        whose loads on this rank are done). vLLM counts each across the ranks."""
+        with self._lock:
+            self._awaiting_stores.update(finish_after_stores)
+            sending = {req for req in self._awaiting_stores if req not in self._stores_of}
+            self._awaiting_stores -= sending
+            recving, self._finished_recving = self._finished_recving, set()
+        return sending or None, recving or None
 
     def _pace(self, job: Job, result: JobResult, took: float) -> None:
         """With ``link_gbps`` set, a load takes at least as long as it would on the capped link, so
@@ -186,6 +268,7 @@ class KVTierWorker:
             floor += result.bytes_moved * share / (self._caps["nvme"] * 1e9)
         if floor > took:
             time.sleep(floor - took)
+            result.seconds = floor  # what the capped link cost, as the cost model sees it
 
     def take_results(self) -> list[JobResult]:
         results, self._results = self._results, []
@@ -194,7 +277,8 @@ class KVTierWorker:
         return results
 
     def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
