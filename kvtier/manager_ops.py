@@ -265,9 +265,10 @@ class SessionOps:
         def count(weights) -> np.ndarray:
             return np.bincount(who, weights=weights, minlength=len(sessions)).astype(np.int64)
 
+        shards = self.fingerprint.shards  # bytes are the box's: every rank holds a shard of each block
         return {"blocks_dram": count(in_dram), "blocks_nvme": count(in_nvme), "blocks_both": count(in_dram & in_nvme),
-                "bytes_dram": count(col["dram_nbytes"][idx] * in_dram),
-                "bytes_nvme": count(col["nvme_nbytes"][idx] * in_nvme)}
+                "bytes_dram": count(col["dram_nbytes"][idx] * in_dram) * shards,
+                "bytes_nvme": count(col["nvme_nbytes"][idx] * in_nvme) * shards}
 
     def sessions_overview(self: "TierManager", session_ids: "list[str] | None" = None) -> list[dict[str, Any]]:
         """``session_info`` for many sessions at once (vectorised: 1,000 sessions in a few ms)."""
@@ -326,7 +327,8 @@ class SessionOps:
             in_nvme = (self.index.col["flags"] & IN_NVME) != 0
             on_disk = int(self.index.col["nvme_nbytes"][in_nvme].mean()) if in_nvme.any() else cold.max_bytes(geometry)
         per_block = {"hbm": geometry.block_bytes, "dram": self.slots.slot_bytes, "nvme": file_bytes_for(on_disk)}
-        return {tier: int((1 << 30) * geometry.block_tokens // size) for tier, size in per_block.items()}
+        shards = self.fingerprint.shards  # a token's KV spans every rank's shard
+        return {tier: int((1 << 30) * geometry.block_tokens // (size * shards)) for tier, size in per_block.items()}
 
     def _fingerprint_view(self: "TierManager") -> dict[str, Any]:
         view = self.__dict__.get("_fingerprint_dict")
@@ -336,13 +338,14 @@ class SessionOps:
 
     def stats(self: "TierManager") -> dict[str, Any]:
         capacity = self.tokens_per_gib()
+        shards = self.fingerprint.shards  # the box's bytes: the budgets are split across the ranks
         return {
             "fingerprint": self._fingerprint_view(),
             "hbm": {"kv_dtype": self.geometry.dtype, "tokens_per_gib": capacity["hbm"]},
-            "dram": {"used_bytes": self.slots.used_bytes, "capacity_bytes": self.slots.capacity_bytes,
+            "dram": {"used_bytes": self.slots.used_bytes * shards, "capacity_bytes": self.slots.capacity_bytes * shards,
                      "blocks": int(((self.index.col["flags"] & IN_DRAM) != 0).sum()),
                      "codec": self.warm_codec, "tokens_per_gib": capacity["dram"]},
-            "nvme": {"used_bytes": self._nvme_used, "capacity_bytes": self.nvme_capacity,
+            "nvme": {"used_bytes": self._nvme_used * shards, "capacity_bytes": self.nvme_capacity * shards,
                      "blocks": int(((self.index.col["flags"] & IN_NVME) != 0).sum()),
                      "codec": self.cold_codec, "tokens_per_gib": capacity["nvme"]},
             "dirty": self.dirty_stats(),

@@ -176,10 +176,16 @@ def bench_tiers(
 def bench_serve(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     quick: bool = typer.Option(False, "--quick", help="4k prompts only and a shorter decode."),
+    tp2_only: bool = typer.Option(False, "--tp2-only", help="Only the tensor-parallel (TP=2) figures."),
 ) -> None:
-    """Real vLLM on the mid demo model: restored vs recomputed TTFT, decode and prefill overhead."""
-    from kvtier.plugins.vllm.bench_serve import SERVE_KEYS, run_serve_bench
+    """Real vLLM: restored vs recomputed TTFT, decode and prefill overhead (mid demo model), and
+    TP=2 outputs and restore TTFT against plain vLLM at TP=2 (tiny demo model)."""
+    from kvtier.plugins.vllm.bench_serve import SERVE_KEYS, run_serve_bench, tp2_figures
 
+    if tp2_only:
+        run_vllm_bench("kvtier bench serve", tuple(k for k in SERVE_KEYS if k.startswith("tp2_")),
+                       lambda progress: tp2_figures(quick=quick, progress=progress), json_out)
+        return
     run_vllm_bench("kvtier bench serve", SERVE_KEYS, lambda progress: run_serve_bench(quick=quick, progress=progress),
                    json_out)
 

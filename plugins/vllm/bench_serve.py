@@ -5,18 +5,28 @@ On the locally built "mid" demo model (16 layers, 4 KV heads x 64 dims: 16 KiB o
   the same prompt recomputed, at 4k and 16k tokens;
 * decode tokens/s with the connector idle vs an engine without it;
 * prefill time with the store path vs without the connector (``prefill_store_overhead``).
-Engines run one at a time, in this process, each warmed up first.
+Engines run one at a time, in this process, each warmed up first; the connector runs as served
+(asynchronous loads and stores).
+
+Tensor parallelism, on the tiny demo model (2 KV heads, one per rank) through real servers:
+``kvtier serve MODEL -- -tp 2`` against plain vLLM at TP=2 on the same prompts, greedy:
+* ``tp2_outputs_identical``: the share of prompts whose text, loaded from kvtier's NVMe tier (both
+  ranks' shards), equals plain vLLM's;
+* ``tp2_restore_vs_recompute_ttft``: time to first token of those loaded prompts vs the same
+  prompts recomputed by plain vLLM at TP=2.
 """
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
 __all__ = ["run_serve_bench", "SERVE_KEYS"]
 
 SERVE_KEYS = ("restore_vs_recompute_ttft_4k", "restore_vs_recompute_ttft_16k", "decode_with_vs_without",
-              "prefill_store_overhead")
+              "prefill_store_overhead", "tp2_outputs_identical", "tp2_restore_vs_recompute_ttft")
+TP2 = ("--tensor-parallel-size", "2")
 
 
 def _prompt(seed: int, tokens: int) -> list[int]:
@@ -36,7 +46,57 @@ def _drop_page_cache(directory: Path) -> None:
     drop_page_cache(directory)
 
 
-def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print) -> dict:
+def tp2_figures(quick: bool = False, progress: Callable[[str], None] = print) -> dict:
+    """Plain vLLM at TP=2 vs kvtier serve at TP=2 (loads from NVMe, both ranks), tiny model."""
+    import statistics
+    import urllib.request
+
+    from kvtier.demo_model import ensure_demo_model
+    from kvtier.plugins.vllm.served import Served
+
+    model = str(ensure_demo_model("tiny", progress=lambda m: progress(m)))
+    count, tokens = (2, 3000) if quick else (4, 6000)
+    prompts = [_prompt(100 + i, tokens) for i in range(count)]
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-tp2-", dir=Path.cwd()) as tmp:
+        base = Path(tmp)
+        progress(f"plain vLLM at TP=2: {count} prompts of {tokens} tokens recomputed")
+        plain = Served(model, base, "plain-tp2", tokens + 256, vllm_args=TP2, connector=False)
+        try:
+            plain.streamed("warm", _prompt(1, 300))
+            reference = [plain.streamed(f"s{i}", p) for i, p in enumerate(prompts)]
+        finally:
+            plain.stop()
+        progress("kvtier serve at TP=2: store, evict to NVMe, forget HBM, load back")
+        served = Served(model, base, "kvtier-tp2", tokens + 256, vllm_args=TP2)
+        try:
+            admin = served.admin()
+            served.streamed("warm", _prompt(2, 300))
+            for i, p in enumerate(prompts):
+                served.streamed(f"s{i}", p)
+            for i in range(count):
+                for _ in range(600):  # stores finish behind the step
+                    session = admin.get(admin.session_path(f"s{i}"))
+                    if session["blocks_dram"] + session["blocks_nvme"] >= (tokens - 1) // 128:
+                        break
+                    time.sleep(0.1)
+                admin.wait(admin.post(admin.session_path(f"s{i}", "evict"), {"to": "nvme"}))
+            urllib.request.urlopen(urllib.request.Request(served.url + "/reset_prefix_cache", method="POST"),
+                                   timeout=60)
+            _drop_page_cache(base)
+            before = admin.get("/v1/status")["counters"].get("hit_nvme_blocks", 0)
+            loaded = [served.streamed(f"s{i}", p) for i, p in enumerate(prompts)]
+            hit = admin.get("/v1/status")["counters"].get("hit_nvme_blocks", 0) - before
+        finally:
+            served.stop()
+    same = sum(a["text"] == b["text"] for a, b in zip(reference, loaded))
+    return {"tp2_outputs_identical": same / count,
+            "tp2_restore_vs_recompute_ttft": statistics.median(b["ttft"] / a["ttft"] for a, b in zip(reference, loaded)),
+            "_tp2_recompute_ttft_s": [round(r["ttft"], 3) for r in reference],
+            "_tp2_restored_ttft_s": [round(r["ttft"], 3) for r in loaded],
+            "_tp2_prompt_tokens": tokens, "_tp2_hit_nvme_blocks": hit}
+
+
+def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print, tp2: bool = True) -> dict:
     from kvtier.demo_model import ensure_demo_model
     from kvtier.index import Tier
     from kvtier.plugins.vllm.harness import Engine, cpu_environment
@@ -79,4 +139,6 @@ def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print
     results.update({f"_prefill_with_store_{k}_s": v for k, v in stored.items()})
     results.update(_decode_tok_s_without=decode_plain, _decode_tok_s_with=decode_tiered,
                    _hit_nvme_blocks=counters.get("hit_nvme_blocks", 0), _quick=quick)
+    if tp2:
+        results.update(tp2_figures(quick, progress))
     return results

@@ -71,6 +71,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._worker = KVTierWorker(fingerprint, extra, rank=parallel_of(vllm_config)[0])
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Every layer's blocks contiguous (``[blocks, heads, tokens, K|V]``, what the CPU backend
+        uses too): a block of one layer is one contiguous run, so gathers and scatters are one
+        indexed copy per layer. Other layouts would still work (the adapter copies through strided
+        views), only slower."""
+        return "LBHNC"
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped store is a later miss, never an error

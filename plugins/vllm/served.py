@@ -54,8 +54,8 @@ class Served:
 
         return AdminClient(self.socket, timeout=60)
 
-    def turn(self, session: str, prompt: list[int]) -> dict:
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    def turn(self, session: str, prompt: list[int], max_tokens: int = 8) -> dict:
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
         request = urllib.request.Request(self.url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json", "X-Session-ID": session})
         started = time.perf_counter()
@@ -64,6 +64,25 @@ class Served:
         kvtier = (doc.get("kv_transfer_params") or {}).get("kvtier") or {}
         return {"text": doc["choices"][0]["text"], "loaded": int(kvtier.get("loaded_tokens") or 0),
                 "seconds": time.perf_counter() - started}
+
+    def streamed(self, session: str, prompt: list[int], max_tokens: int = 8) -> dict:
+        """A streamed completion: its text and its time to the first token (``ttft``)."""
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "stream": True}).encode()
+        request = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", "X-Session-ID": session})
+        started, ttft, text = time.perf_counter(), None, []
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for line in response:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                piece = "".join(choice.get("text") or "" for choice in chunk.get("choices") or ())
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - started
+                text.append(piece)
+        return {"text": "".join(text), "ttft": ttft if ttft is not None else time.perf_counter() - started}
 
     def stop(self, sig: int = signal.SIGINT) -> float:
         started = time.perf_counter()
