@@ -163,6 +163,35 @@ def test_evicted_to_nvme_loads_back_and_survives_a_restart(tiny_model, tmp_path)
     close(restarted)
 
 
+def test_no_host_synchronisation_on_the_step_path(tiny_model, tmp_path):
+    """Stores (every step of a 1.4k-token prefill and its decode), loads from DRAM and from NVMe:
+    the worker's step calls never wait for a copy (the mover counts every blocking wait made inside
+    them); the same run with transfers on the step path counts its waits, so the count can fail."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    history = prompt_of(11, 1400)
+    follow_up = history + prompt_of(12, 100)
+
+    def serve(extra: dict | None) -> tuple[int, dict]:
+        llm = make_llm(str(tiny_model), nvme_dir=tmp_path / f"nvme-{bool(extra)}", extra_config=extra)
+        try:
+            run(llm, history)
+            llm.reset_prefix_cache()
+            run(llm, follow_up)  # loads from DRAM
+            evict_first_session_to_nvme(llm)
+            llm.reset_prefix_cache()
+            run(llm, follow_up)  # loads from NVMe
+            return get_kv_transfer_group()._worker.step_syncs, dict(scheduler_connector(llm).manager.counters)
+        finally:
+            close(llm)
+
+    syncs, counters = serve(None)
+    assert counters["stored_blocks"] >= 10 and counters["hit_dram_blocks"] > 0 and counters["hit_nvme_blocks"] > 0
+    assert syncs == 0
+    syncs, counters = serve({"synchronous": True})
+    assert counters["stored_blocks"] >= 10 and syncs >= counters["jobs_store_ok"] + counters["jobs_load_ok"]
+
+
 def test_aborted_request_leaves_nothing_pending(tiny_model, tmp_path):
     # a 3000-token prompt prefilled in 512-token chunks, aborted after two chunks
     from vllm.inputs import TokensPrompt
@@ -265,7 +294,7 @@ def test_preemption_keeps_outputs_correct(tiny_model, tmp_path):
             kwargs["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
                 kv_connector_extra_config={"dram_bytes": 64 << 20, "nvme_dir": str(tmp_path / "nvme"),
-                                           "nvme_bytes": 1 << 30, "synchronous": True})
+                                           "nvme_bytes": 1 << 30})
         llm = LLM(model=str(tiny_model), dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=2048,
                   enforce_eager=True, enable_prefix_caching=True, seed=0, num_gpu_blocks_override=17, **kwargs)
         try:

@@ -3,10 +3,13 @@
 On the locally built "mid" demo model (16 layers, 4 KV heads x 64 dims: 16 KiB of KV per token):
 * TTFT of a returning session restored from NVMe (its DRAM copy released, page cache dropped) vs
   the same prompt recomputed, at 4k and 16k tokens;
-* decode tokens/s with the connector idle vs an engine without it;
 * prefill time with the store path vs without the connector (``prefill_store_overhead``).
 Engines run one at a time, in this process, each warmed up first; the connector runs as served
-(asynchronous loads and stores).
+(asynchronous loads and stores); the engine without kvtier runs before and after the one with it
+and kvtier is compared with the mean of the two (the shared box drifts).
+* decode tokens/s through real servers (``served_decode``): plain vLLM, ``kvtier serve``, plain
+  vLLM again. The in-process figure is kept as ``_in_process_decode_with_vs_without`` with the
+  connector's own share of decode time (``_connector_share_of_decode_time``).
 
 Tensor parallelism, on the tiny demo model (2 KV heads, one per rank) through real servers:
 ``kvtier serve MODEL -- -tp 2`` against plain vLLM at TP=2 on the same prompts, greedy:
@@ -33,11 +36,57 @@ def _prompt(seed: int, tokens: int) -> list[int]:
     return [3 + (seed * 7919 + i * 131) % 1900 for i in range(tokens)]
 
 
-def _decode_rate(engine, seed: int, tokens: int) -> float:
-    """Decode tokens/s: two fresh prompts of the same length (no cache hits), 1 vs ``tokens`` outputs."""
-    one, _ = engine.timed(_prompt(seed, 256), 1)
-    many, out = engine.timed(_prompt(seed + 1000, 256), tokens)
-    return (len(out.outputs[0].token_ids) - 1) / max(many - one, 1e-9)
+def _decode_rate(engine, seed: int, tokens: int, rounds: int = 5) -> float:
+    """Decode tokens/s, the median of ``rounds``: two fresh prompts of the same length (no cache
+    hits) each, 1 vs ``tokens`` outputs."""
+    import statistics
+
+    rates = []
+    for r in range(rounds):
+        one, _ = engine.timed(_prompt(seed + 100 * r, 256), 1)
+        many, out = engine.timed(_prompt(seed + 100 * r + 1000, 256), tokens)
+        rates.append((len(out.outputs[0].token_ids) - 1) / max(many - one, 1e-9))
+    return statistics.median(rates)
+
+
+def served_decode(model: str, base: Path, tokens: int, rounds: int = 5,
+                  progress: Callable[[str], None] = print) -> dict:
+    """Decode tokens/s through real servers, as users run them: plain vLLM, ``kvtier serve``, plain
+    vLLM again (the box drifts: kvtier is compared with the mean of the two), the same environment
+    for both (``serve.vllm_cpu_env``). Each rate: the median of ``rounds`` fresh 256-token prompts,
+    streamed, (tokens - 1) / (time to the last token - time to the first)."""
+    import statistics
+
+    from kvtier.plugins.vllm.served import Served
+
+    def rate(server: Served, seed: int) -> float:
+        server.streamed("warm", _prompt(seed, 300), 4)
+        rates = []
+        for r in range(rounds):
+            started = time.perf_counter()
+            out = server.streamed(f"d{r}", _prompt(seed + 100 * r + 1, 256), tokens)
+            rates.append((tokens - 1) / max(time.perf_counter() - started - out["ttft"], 1e-9))
+        return statistics.median(rates)
+
+    figures = {}
+    for label, kvtier in (("before", False), ("kvtier", True), ("after", False)):
+        progress(f"decode through a real server: {'kvtier serve' if kvtier else 'plain vLLM'} ({label})")
+        server = Served(model, base, f"decode-{label}", 2048, connector=kvtier)
+        try:
+            figures[label] = rate(server, 500)
+        finally:
+            server.stop()
+    plain = (figures["before"] + figures["after"]) / 2
+    return {"decode_with_vs_without": figures["kvtier"] / plain, "_decode_tok_s_with": figures["kvtier"],
+            "_decode_tok_s_without_before_after": [figures["before"], figures["after"]]}
+
+
+def _connector_seconds() -> float:
+    """Time both halves of the in-process connector spent in vLLM's calls on forward steps."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+    return worker.step_seconds
 
 
 def _drop_page_cache(directory: Path) -> None:
@@ -107,19 +156,31 @@ def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print
     progress("building / loading the mid demo model")
     model = str(ensure_demo_model("mid", progress=lambda m: progress(m)))
     results: dict = {}
-    progress("engine without kvtier: recompute TTFT, decode rate")
-    plain = Engine(model, kvtier=False)
-    plain.timed(_prompt(1, 512), 2)  # warm-up (the first forward of a process is slow)
-    recompute = {name: plain.timed(_prompt(10 + i, n))[0] for i, (name, n) in enumerate(sizes.items())}
-    decode_plain = _decode_rate(plain, 30, decode_tokens)
-    plain.close()
+
+    def plain_run(label: str) -> tuple[dict, float]:
+        progress(f"engine without kvtier ({label}): recompute TTFT, decode rate")
+        plain = Engine(model, kvtier=False)
+        try:
+            plain.timed(_prompt(1, 512), 2)  # warm-up (the first forward of a process is slow)
+            recompute = {name: plain.timed(_prompt(10 + i, n))[0] for i, (name, n) in enumerate(sizes.items())}
+            return recompute, _decode_rate(plain, 30, decode_tokens)
+        finally:
+            plain.close()
+
+    # the box is shared and drifts: the engine without kvtier runs before and after the one with it,
+    # and kvtier's figures are compared with the mean of the two
+    recompute_before, decode_before = plain_run("before")
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-", dir=Path.cwd()) as tmp:
         progress("engine with kvtier: store path, decode rate, restore from NVMe")
         tiered = Engine(model, kvtier=True, nvme_dir=Path(tmp) / "nvme")
         tiered.timed(_prompt(2, 512), 2)
         stored = {name: tiered.timed(_prompt(10 + i, n))[0] for i, (name, n) in enumerate(sizes.items())}
-        decode_tiered = _decode_rate(tiered, 31, decode_tokens)
+        spent = tiered.connector.step_seconds + _connector_seconds()
+        started = time.perf_counter()
+        decode_tiered = _decode_rate(tiered, 30, decode_tokens)
+        decode_wall = time.perf_counter() - started
+        decode_share = (tiered.connector.step_seconds + _connector_seconds() - spent) / decode_wall
         for session in list(tiered.manager.sessions):
             tiered.run_job(tiered.manager.evict(session, Tier.NVME))
         tiered.forget_hbm()
@@ -128,17 +189,25 @@ def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print
             _drop_page_cache(Path(tmp))
             restored[name] = tiered.timed(_prompt(10 + i, n))[0]
         counters = dict(tiered.manager.counters)
+        syncs = tiered.worker.step_syncs
         tiered.close()
 
+    recompute_after, decode_after = plain_run("after")
+    recompute = {k: (recompute_before[k] + recompute_after[k]) / 2 for k in recompute_before}
+    decode_plain = (decode_before + decode_after) / 2
+    results["_connector_share_of_decode_time"] = decode_share
+    results["_step_syncs"] = syncs
+    results["_in_process_decode_with_vs_without"] = decode_tiered / decode_plain
+    results["_in_process_decode_tok_s"] = {"without_before_after": [decode_before, decode_after], "with": decode_tiered}
     results["restore_vs_recompute_ttft_4k"] = restored["4k"] / recompute["4k"]
     results["restore_vs_recompute_ttft_16k"] = restored["16k"] / recompute["16k"]
-    results["decode_with_vs_without"] = decode_tiered / decode_plain
     results["prefill_store_overhead"] = sum(stored.values()) / sum(recompute.values()) - 1
     results.update({f"_recompute_ttft_{k}_s": v for k, v in recompute.items()})
     results.update({f"_restored_ttft_{k}_s": v for k, v in restored.items()})
     results.update({f"_prefill_with_store_{k}_s": v for k, v in stored.items()})
-    results.update(_decode_tok_s_without=decode_plain, _decode_tok_s_with=decode_tiered,
-                   _hit_nvme_blocks=counters.get("hit_nvme_blocks", 0), _quick=quick)
+    results.update(_hit_nvme_blocks=counters.get("hit_nvme_blocks", 0), _quick=quick)
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-decode-", dir=Path.cwd()) as tmp:
+        results.update(served_decode(model, Path(tmp), decode_tokens, progress=progress))
     if tp2:
         results.update(tp2_figures(quick, progress))
     return results

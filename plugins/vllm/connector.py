@@ -14,6 +14,8 @@ Use it from any vLLM: ``--kv-transfer-config '{"kv_connector":"KVTierConnector",
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,7 @@ class KVTierMetadata(KVConnectorMetadata):
     recv_now: list[str] = field(default_factory=list)  # async loads with nothing left to load: done at once
     flush_jobs: list[int] = field(default_factory=list)  # stores of preempted requests: done before the forward
     finish_after_stores: list[str] = field(default_factory=list)  # finished requests vLLM holds for our stores
+    idle: bool = False  # the step runs no forward pass (requests only wait for transfers)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         check_supported(vllm_config, kv_cache_config)  # one clear error at start, not a traceback per step
         fingerprint = fingerprint_from_vllm(vllm_config, extra)
         self._scheduler = self._worker = None
+        self.step_seconds = 0.0  # time spent in this half's calls on steps that run a forward pass
         if role == KVConnectorRole.SCHEDULER:
             from kvtier.plugins.vllm.scheduler import KVTierScheduler
 
@@ -83,6 +87,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped store is a later miss, never an error
 
+    @contextlib.contextmanager
+    def _timed(self, count: bool = True):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if count:
+                self.step_seconds += time.perf_counter() - started
+
     @property
     def manager(self):
         """The scheduler half's TierManager (for the admin API and tests)."""
@@ -90,30 +103,31 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        with self._scheduler.lock:
+        with self._timed(), self._scheduler.lock:
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        with self._scheduler.lock:
+        with self._timed(), self._scheduler.lock:
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        with self._scheduler.lock:
+        with self._timed(), self._scheduler.lock:
             self._scheduler.step_started(scheduler_output)
             step = self._scheduler.build_jobs(scheduler_output)
             return KVTierMetadata(jobs=step.jobs, missing_blocks=step.missing, recv_now=step.recv_now,
                                   flush_jobs=step.flush_jobs, finish_after_stores=step.finish_after_stores,
-                                  freed_slots=self.manager.slots.drain_freed())
+                                  freed_slots=self.manager.slots.drain_freed(),
+                                  idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        with self._scheduler.lock:
+        with self._timed(), self._scheduler.lock:
             self._scheduler.step_finished()  # vLLM calls this once per executed step
             if isinstance(meta, KVTierWorkerMetadata):
                 self._scheduler.complete(meta.results)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        with self._scheduler.lock:
+        with self._timed(), self._scheduler.lock:
             return self._scheduler.request_finished(request)
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
@@ -131,12 +145,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if isinstance(kv_connector_metadata, KVTierMetadata) and kv_connector_metadata.flush_jobs:
-            with self._worker.on_step():
+            with self._timed(), self._worker.on_step():
                 self._worker.apply(kv_connector_metadata)
                 self._worker.handle_preemptions(kv_connector_metadata.flush_jobs)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        with self._worker.on_step():
+        with self._timed(), self._worker.on_step():
             meta = self._meta()
             self._worker.start_load_kv(meta.jobs, meta.missing_blocks, meta.recv_now)
 
@@ -147,20 +161,24 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return  # whole blocks are stored after the forward pass, once every layer is written
 
     def wait_for_save(self) -> None:
-        with self._worker.on_step():
+        with self._timed(), self._worker.on_step():
             meta = self._meta()
             self._worker.wait_for_save(meta.jobs)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        with self._worker.on_step():
-            return self._worker.get_finished(self._meta().finish_after_stores)
+        meta = self._get_connector_metadata()
+        with self._timed(not getattr(meta, "idle", False)), self._worker.on_step():  # idle steps may wait
+            meta = self._meta()
+            return self._worker.get_finished(meta.finish_after_stores, meta.idle)
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
-        results = self._worker.take_results()
-        return KVTierWorkerMetadata(results) if results else None
+        with self._timed():
+            results = self._worker.take_results()
+            return KVTierWorkerMetadata(results) if results else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors()
+        with self._timed():
+            return self._worker.take_load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -57,6 +57,13 @@ class Engine:
         return self.llm.llm_engine.engine_core.engine_core.scheduler.connector
 
     @property
+    def worker(self):
+        """The connector's worker half (in this process: vLLM runs in-process)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group()._worker
+
+    @property
     def manager(self):
         return self.connector.manager
 

@@ -42,6 +42,7 @@ from kvtier.plugins.vllm.geometry import layout_name, shard_budgets
 __all__ = ["KVTierWorker"]
 
 QUIET_S = 0.2  # no forward pass for this long: the engine is idle, write-behind may use the disk
+IDLE_WAIT_S = 0.01  # a step without a forward waits this long at most for a transfer to finish
 
 log = logging.getLogger("kvtier.connector")
 
@@ -60,6 +61,9 @@ class KVTierWorker:
         self._stores_of: dict[str, set[int]] = {}  # request -> its STORE jobs still running on this rank
         self._awaiting_stores: set[str] = set()  # finished requests whose blocks vLLM holds for our stores
         self._finished_recving: set[str] = set()  # requests whose loads are done on this rank
+        self._loads_in_flight = 0
+        self._transfer_done = threading.Event()  # a load or store finished (wakes an idle step's wait)
+        self.idle_waits = 0  # waits made on steps that ran no forward pass (see get_finished)
         self.mover: Mover | None = None
         self.nvme: NvmeStore | None = None
         self._results: list[JobResult] = []
@@ -197,6 +201,8 @@ class KVTierWorker:
                 self._load_done(job, result)
                 self._results.append(result)
             else:
+                with self._lock:
+                    self._loads_in_flight += 1
                 self.mover.submit(job, self._load_done)
 
     def wait_for_save(self, jobs: list[Job]) -> None:
@@ -226,6 +232,7 @@ class KVTierWorker:
         self._in_step, self._step_ended = False, time.monotonic()
 
     def _store_done(self, job: Job, result: JobResult) -> None:  # on the copy thread
+        self._transfer_done.set()
         if job.req_id is None:
             return
         with self._lock:
@@ -245,10 +252,27 @@ class KVTierWorker:
                 log.warning("kvtier: %d blocks failed to load (%s); vLLM recomputes them", len(failed), result.error)
             if job.req_id is not None:  # errors and the request's end travel in the same step (or errors first)
                 self._finished_recving.add(job.req_id)
+            if not self.extra.get("synchronous"):
+                self._loads_in_flight -= 1
+        self._transfer_done.set()
 
-    def get_finished(self, finish_after_stores: list[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finish_after_stores: list[str], idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose blocks vLLM may now free: their stores on this rank are done, requests
-        whose loads on this rank are done). vLLM counts each across the ranks."""
+        whose loads on this rank are done). vLLM counts each across the ranks.
+
+        ``idle``: this step ran no forward pass (vLLM steps like that back to back while requests
+        wait for their loads). Then, with transfers in flight and none finished, it waits up to
+        ``IDLE_WAIT_S`` for one: nothing is stalled (there is no forward to delay), and the copy
+        threads get the cores and the interpreter instead of a spinning engine loop -- on the CPU
+        backend that spin made a 64 MiB load take seconds."""
+        with self._lock:
+            self._awaiting_stores.update(finish_after_stores)
+            busy = self._loads_in_flight > 0 or bool(self._awaiting_stores)
+            done = bool(self._finished_recving) or any(req not in self._stores_of for req in self._awaiting_stores)
+        if idle and busy and not done:
+            self.idle_waits += 1
+            self._transfer_done.wait(IDLE_WAIT_S)
+        self._transfer_done.clear()
         with self._lock:
             self._awaiting_stores.update(finish_after_stores)
             sending = {req for req in self._awaiting_stores if req not in self._stores_of}
