@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["main", "run_checks", "vllm_layer_views", "LAYOUTS"]
+__all__ = ["main", "report_out", "run_checks", "say", "vllm_layer_views", "LAYOUTS"]
 
 # vLLM 0.32 KVCacheLayout: the physical order of the logical axes [L, B, H, N, C]
 LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "BLHNC": (1, 0, 2, 3, 4)}
@@ -308,11 +308,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry", action="store_true", help="everything but the device, on the CPU")
     parser.add_argument("--out", help="also write the JSON report to this file")
     args = parser.parse_args(argv)
-    report = run_checks(args.dry, progress=lambda m: print(f"kvtier gpucheck: {m}", file=sys.stderr, flush=True))
+    return report_out(run_checks(args.dry, progress=say("gpucheck")), args.out)
+
+
+def say(name: str) -> Callable[[str], None]:
+    """Progress lines on stderr (stdout is the JSON report)."""
+    return lambda message: print(f"kvtier {name}: {message}", file=sys.stderr, flush=True)
+
+
+def report_out(report: dict, out: str | None) -> int:
+    """Print the JSON report (and write it to ``out``); exit status 0 when every check passed."""
     text = json.dumps(report, indent=2, default=str)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    if out:
+        Path(out).write_text(text)
     return 0 if report["ok"] else 1
 
 

@@ -14,7 +14,6 @@ model, built locally).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -125,14 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         from kvtier.demo_model import ensure_demo_model
 
         args.model = str(ensure_demo_model("tiny"))
+    from kvtier.gpucheck import report_out, say
+
     with tempfile.TemporaryDirectory(prefix="kvtier-fullpath-") as tmp:
-        report = full_path(args.model, Path(tmp), args.tp,
-                           progress=lambda m: print(f"kvtier fullpath: {m}", file=sys.stderr, flush=True))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0 if report["ok"] else 1
+        report = full_path(args.model, Path(tmp), args.tp, progress=say("fullpath"))
+    return report_out(report, args.out)
 
 
 if __name__ == "__main__":
