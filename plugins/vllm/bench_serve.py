@@ -2,14 +2,14 @@
 
 On the locally built "mid" demo model (16 layers, 4 KV heads x 64 dims: 16 KiB of KV per token):
 * TTFT of a returning session restored from NVMe (its DRAM copy released, page cache dropped) vs
-  the same prompt recomputed, at 4k and 16k tokens;
-* prefill time with the store path vs without the connector (``prefill_store_overhead``).
-Engines run one at a time, in this process, each warmed up first; the connector runs as served
-(asynchronous loads and stores); the engine without kvtier runs before and after the one with it
-and kvtier is compared with the mean of the two (the shared box drifts).
-* decode tokens/s through real servers (``served_decode``): plain vLLM and ``kvtier serve`` side
-  by side, requests alternating. The in-process figure is kept as ``_in_process_decode_with_vs_without`` with the
-  connector's own share of decode time (``_connector_share_of_decode_time``).
+  the same prompt recomputed, at 4k and 16k tokens: in-process engines, one at a time, each warmed
+  up, the connector as served (asynchronous loads and stores); the engine without kvtier runs
+  before and after the one with it and kvtier is compared with the mean of the two;
+* decode tokens/s and 4k-token prefill time (store path included) through real servers
+  (``served_decode``): plain vLLM and ``kvtier serve`` alternating, one server at a time. The
+  in-process figures are kept (``_in_process_*``) with the connector's own share of decode time
+  (``_connector_share_of_decode_time``): in one process the engine, the worker and kvtier's threads
+  share one interpreter, which no server deployment does.
 
 Tensor parallelism, on the tiny demo model (2 KV heads, one per rank) through real servers:
 ``kvtier serve MODEL -- -tp 2`` against plain vLLM at TP=2 on the same prompts, greedy:
@@ -50,43 +50,44 @@ def _decode_rate(engine, seed: int, tokens: int, rounds: int = 5) -> float:
     return statistics.median(rates)
 
 
-def served_decode(model: str, base: Path, tokens: int, rounds: int = 7,
+def served_decode(model: str, base: Path, tokens: int, rounds: int = 5, alternations: int = 2,
                   progress: Callable[[str], None] = print) -> dict:
-    """Decode tokens/s through real servers, as users run them: plain vLLM and ``kvtier serve`` up
-    side by side (the same environment, ``serve.vllm_cpu_env``; an idle server sleeps), requests
-    alternating between them so the shared box's drift hits both alike. Each round: a fresh
-    256-token prompt on each, streamed, (tokens - 1) / (time to the last token - time to the
-    first); the figure is the median of the rounds' ratios."""
+    """Decode tokens/s and 4k-token prefill time (``prefill_store_overhead``: kvtier's store path
+    included) through real servers, as users run them, one server at a time (an idle vLLM
+    server's worker keeps polling its queue: two side by side slow each other down): plain vLLM,
+    ``kvtier serve``, plain, kvtier... (``alternations`` of each; the same environment,
+    ``serve.vllm_cpu_env``), so the shared box's drift hits both alike. Each request: a fresh
+    256-token prompt, streamed, (tokens - 1) / (time to the last token - time to the first); each
+    side's figure is the median of all its requests."""
     import statistics
 
     from kvtier.plugins.vllm.served import Served
 
-    def rate(server: Served, seed: int) -> float:
-        started = time.perf_counter()
-        out = server.streamed(f"d{seed}", _prompt(seed, 256), tokens)
-        return (tokens - 1) / max(time.perf_counter() - started - out["ttft"], 1e-9)
-
-    progress("decode through real servers: plain vLLM and kvtier serve, requests alternating")
-    plain = Served(model, base, "decode-plain", 2048, connector=False)
-    try:
-        served = Served(model, base, "decode-kvtier", 2048)
-        try:
-            for server in (plain, served):
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    prefill: dict[bool, list[float]] = {False: [], True: []}
+    for k in range(alternations):
+        for kvtier in (False, True):
+            progress(f"decode through a real server: {'kvtier serve' if kvtier else 'plain vLLM'} ({k + 1}/{alternations})")
+            server = Served(model, base, f"decode-{k}-{kvtier}", 2048, connector=kvtier)
+            try:
                 server.streamed("warm", _prompt(499, 300), 4)
-            pairs = []
-            for r in range(rounds):
-                seed = 500 + 10 * r
-                if r % 2:
-                    with_kvtier, without = rate(served, seed), rate(plain, seed + 1)
-                else:
-                    without, with_kvtier = rate(plain, seed + 1), rate(served, seed)
-                pairs.append((with_kvtier, without))
-        finally:
-            served.stop()
-    finally:
-        plain.stop()
-    return {"decode_with_vs_without": statistics.median(w / wo for w, wo in pairs),
-            "_decode_tok_s_with_without": [[round(w, 1), round(wo, 1)] for w, wo in pairs]}
+                for r in range(2):  # fresh 4k-token prompts: the prefill, with kvtier's store path
+                    prefill[kvtier].append(server.streamed(f"p{r}", _prompt(700 + 10 * r + k, 4096), 2)["ttft"])
+                for r in range(rounds):
+                    started = time.perf_counter()
+                    out = server.streamed(f"d{r}", _prompt(500 + 10 * r + k, 256), tokens)
+                    rates[kvtier].append((tokens - 1) / max(time.perf_counter() - started - out["ttft"], 1e-9))
+            finally:
+                server.stop()
+    with_kvtier, without = statistics.median(rates[True]), statistics.median(rates[False])
+    return {"decode_with_vs_without": with_kvtier / without,
+            "prefill_store_overhead": statistics.median(prefill[True]) / statistics.median(prefill[False]) - 1,
+            "_prefill_4k_ttft_s": {"with": [round(x, 2) for x in prefill[True]],
+                                   "without": [round(x, 2) for x in prefill[False]]},
+            "_decode_tok_s_with": round(with_kvtier, 2),
+            "_decode_tok_s_without": round(without, 2),
+            "_decode_tok_s_all": {"with": [round(x, 1) for x in rates[True]],
+                                  "without": [round(x, 1) for x in rates[False]]}}
 
 
 def _connector_seconds() -> float:
@@ -215,7 +216,7 @@ def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print
     results["_in_process_decode_tok_s"] = {"without_before_after": [decode_before, decode_after], "with": decode_tiered}
     results["restore_vs_recompute_ttft_4k"] = restored["4k"] / recompute["4k"]
     results["restore_vs_recompute_ttft_16k"] = restored["16k"] / recompute["16k"]
-    results["prefill_store_overhead"] = sum(stored.values()) / sum(recompute.values()) - 1
+    results["_in_process_prefill_store_overhead"] = sum(stored.values()) / sum(recompute.values()) - 1
     results.update({f"_recompute_ttft_{k}_s": v for k, v in recompute.items()})
     results.update({f"_restored_ttft_{k}_s": v for k, v in restored.items()})
     results.update({f"_prefill_with_store_{k}_s": v for k, v in stored.items()})
