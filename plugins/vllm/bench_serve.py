@@ -68,7 +68,7 @@ def served_decode(model: str, base: Path, tokens: int, rounds: int = 5, alternat
     for k in range(alternations):
         for kvtier in (False, True):
             progress(f"decode through a real server: {'kvtier serve' if kvtier else 'plain vLLM'} ({k + 1}/{alternations})")
-            server = Served(model, base, f"decode-{k}-{kvtier}", 2048, connector=kvtier)
+            server = Served(model, base, f"decode-{k}-{kvtier}", 4096 + 256, connector=kvtier)
             try:
                 server.streamed("warm", _prompt(499, 300), 4)
                 for r in range(2):  # fresh 4k-token prompts: the prefill, with kvtier's store path
