@@ -51,7 +51,7 @@ def _decode_rate(engine, seed: int, tokens: int, rounds: int = 5) -> float:
 
 
 def served_decode(model: str, base: Path, tokens: int, rounds: int = 5, alternations: int = 2,
-                  progress: Callable[[str], None] = print) -> dict:
+                  progress: Callable[[str], None] = print, write_behind: str = "10") -> dict:
     """Decode tokens/s and 4k-token prefill time (``prefill_store_overhead``: kvtier's store path
     included) through real servers, as users run them, one server at a time (an idle vLLM
     server's worker keeps polling its queue: two side by side slow each other down): plain vLLM,
@@ -68,7 +68,8 @@ def served_decode(model: str, base: Path, tokens: int, rounds: int = 5, alternat
     for k in range(alternations):
         for kvtier in (False, True):
             progress(f"decode through a real server: {'kvtier serve' if kvtier else 'plain vLLM'} ({k + 1}/{alternations})")
-            server = Served(model, base, f"decode-{k}-{kvtier}", 4096 + 256, connector=kvtier)
+            server = Served(model, base, f"decode-{k}-{kvtier}", 4096 + 256, connector=kvtier,
+                            write_behind=write_behind)
             try:
                 server.streamed("warm", _prompt(499, 300), 4)
                 for r in range(2):  # fresh 4k-token prompts: the prefill, with kvtier's store path
