@@ -132,10 +132,17 @@ def test_after_prefix_cache_reset_the_turn_loads_from_dram(tiny_model, tmp_path)
 
 
 def evict_first_session_to_nvme(llm) -> None:
+    import time
+
     connector = scheduler_connector(llm)
     session = next(iter(connector.manager.sessions))
-    connector._scheduler.enqueue(connector.manager.evict(session, Tier.NVME))
-    run(llm, prompt_of(99, 40))  # one step carries the demotion to the worker
+    job = connector.manager.evict(session, Tier.NVME)
+    connector._scheduler.enqueue(job)
+    deadline = time.monotonic() + 120
+    while True:  # a step carries the demotion to the worker; a later one brings its result back
+        run(llm, prompt_of(99, 40))
+        if job.job_id not in connector.manager.jobs or time.monotonic() > deadline:
+            break
     info = connector.manager.session_info(session)
     assert info["blocks_nvme"] == info["blocks"] and info["blocks_dram"] == 0
 
