@@ -19,7 +19,7 @@ Rules that follow from how vLLM's scheduler calls a connector (see docs/architec
   its load done. Stores run behind the step: a request that finishes with stores in flight is held
   (``request_finished`` returns True) until every rank reports them done.
 * With tensor parallelism every job runs on every rank; a job is applied once all ranks reported
-  it (``_merge``), and a block written behind counts once every rank wrote its shard.
+  it (``jobs.RankMerger``), and a block written behind counts once every rank wrote its shard.
 """
 from __future__ import annotations
 
@@ -139,7 +139,6 @@ class KVTierScheduler:
         self.requests: dict[str, RequestState] = {}
         self._ranks = RankMerger(self.shards)  # a job is applied once every rank reported it
         self._stores_of: dict[str, set[int]] = {}  # request -> its STORE jobs not yet done on every rank
-        self._store_req: dict[int, str] = {}  # STORE job -> its request
         self._finish_after_stores: list[str] = []  # finished, held by vLLM until their stores are done
         self._recv_now: list[str] = []  # async loads that found nothing left to load
         self._steps: deque = deque()  # (start time, prefill shape or None) of steps in flight
@@ -479,7 +478,6 @@ class KVTierScheduler:
         if job is not None:
             job.req_id = request.request_id
             self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
-            self._store_req[job.job_id] = job.req_id
             self._jobs.append(job)
         # Blocks DRAM had no room for are offered again next step (demotion makes room meanwhile),
         # as long as the request holds them in HBM.
@@ -504,14 +502,13 @@ class KVTierScheduler:
             result = self._ranks.job(result)
             if result is None:
                 continue
-            req_id = self._store_req.pop(result.job_id, None)
-            if req_id is not None:
-                pending = self._stores_of.get(req_id)
+            job = self.manager.jobs.get(result.job_id)
+            if job is not None and job.kind == JobKind.STORE and job.req_id is not None:
+                pending = self._stores_of.get(job.req_id)
                 if pending is not None:
                     pending.discard(result.job_id)
                     if not pending:
-                        del self._stores_of[req_id]
-            job = self.manager.jobs.get(result.job_id)
+                        del self._stores_of[job.req_id]
             if job is not None and job.kind == JobKind.LOAD and result.ok and \
                     not any(move.from_nvme for move in job.moves):
                 # the live DRAM->HBM cost, in the model's own unit (blocks at the warm codec's size)

@@ -196,13 +196,13 @@ class KVTierWorker:
         for job in jobs:
             if job.kind != JobKind.LOAD:
                 continue
+            with self._lock:
+                self._loads_in_flight += 1
             if synchronous:
                 result = self.mover.run(job)
                 self._load_done(job, result)
                 self._results.append(result)
             else:
-                with self._lock:
-                    self._loads_in_flight += 1
                 self.mover.submit(job, self._load_done)
 
     def wait_for_save(self, jobs: list[Job]) -> None:
@@ -252,8 +252,7 @@ class KVTierWorker:
                 log.warning("kvtier: %d blocks failed to load (%s); vLLM recomputes them", len(failed), result.error)
             if job.req_id is not None:  # errors and the request's end travel in the same step (or errors first)
                 self._finished_recving.add(job.req_id)
-            if not self.extra.get("synchronous"):
-                self._loads_in_flight -= 1
+            self._loads_in_flight -= 1
         self._transfer_done.set()
 
     def get_finished(self, finish_after_stores: list[str], idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
