@@ -647,14 +647,21 @@ class TierManager(SessionOps):
         self._nvme_backoff = min(30.0, max(1.0, 2 * self._nvme_backoff))
         self._nvme_retry_at = time.monotonic() + self._nvme_backoff
 
+    def full_disk_margin(self) -> int:
+        """The free bytes a disk that ran out of space needs before its warning ends, budget spent or
+        not: 1% of the budget, at least 1 MiB (never more than the budget)."""
+        return min(self.nvme_capacity, max(1 << 20, self.nvme_capacity // 100))
+
     def _nvme_write_ok(self, disk_free: int | None = None) -> None:
         """A write succeeded: once the back-off is over, the disk counts as healthy again. A full disk
         also needs room for what the NVMe budget still promises (``disk_free``): writes that slip into
-        space kvtier's own drops just freed do not end its warning."""
+        space kvtier's own drops just freed do not end its warning. Even with the budget full, a disk
+        with less than a small margin free stays "full": every write then races whoever filled it."""
         warning = self.warnings.get("nvme")
         if warning is None or time.monotonic() < self._nvme_retry_at:
             return
-        if "no space left" in warning and disk_free is not None and disk_free < self.nvme_capacity - self._nvme_used:
+        if "no space left" in warning and disk_free is not None \
+                and disk_free < max(self.nvme_capacity - self._nvme_used, self.full_disk_margin()):
             return
         self.warnings.pop("nvme", None)
         self._nvme_backoff = 0.0

@@ -434,3 +434,20 @@ def test_a_full_disk_warning_waits_for_room_the_budget_still_promises(fingerprin
     manager.note_written_behind([], None, disk_ok=True, disk_free=promised)
     assert "nvme" not in manager.warnings
     engine.close()
+
+
+def test_a_full_disk_at_a_full_budget_stays_full_until_a_margin_is_free(fingerprint, hbm, tmp_path):
+    """With the budget used up, "room for what the budget promises" is zero bytes: every successful
+    write would end the warning while the disk sits at 0 bytes free and other writers race kvtier."""
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    manager = engine.manager
+    full = f"NVMe tier: no space left on the device holding {tmp_path}"
+    manager._nvme_used = manager.nvme_capacity  # the budget is spent
+    manager.note_written_behind([], full)
+    time.sleep(1.05)
+    manager.note_written_behind([], None, disk_ok=True, disk_free=4096)
+    assert manager.warnings["nvme"] == full
+    manager.note_written_behind([], None, disk_ok=True, disk_free=manager.full_disk_margin())
+    assert "nvme" not in manager.warnings
+    manager._nvme_used = 0
+    engine.close()
