@@ -50,7 +50,8 @@ class TierEngine:
         # plans for the whole engine, the mover moves (and its files carry) the rank's own shard
         fingerprint = fingerprint.engine
         self.fingerprint = fingerprint
-        self.nvme = NvmeStore(nvme_dir, nvme_bytes, io_threads, direct_io) if nvme_dir and nvme_bytes else None
+        self.nvme = NvmeStore(nvme_dir, nvme_bytes, io_threads, direct_io, rank=rank) \
+            if nvme_dir and nvme_bytes else None
         records = self.nvme.scan() if self.nvme is not None else []
         self.catalog = None
         if catalog and self.nvme is not None:

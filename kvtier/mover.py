@@ -40,6 +40,9 @@ __all__ = ["Mover"]
 
 log = logging.getLogger(__name__)
 
+WRITE_BEHIND_BYTES = 8 << 20  # one write-behind group commit at most
+RESTORE_BATCH_BYTES = 32 << 20  # a restore's blocks bound for NVMe, per group commit
+
 
 class Mover:
     def __init__(
@@ -80,6 +83,7 @@ class Mover:
         self._inflight: dict[int, Future] = {}  # job id -> its future, until it is done
         self.step = threading.local()  # ``step.active``: this thread is in one of vLLM's step calls
         self.step_syncs = 0  # blocking waits for transfers on the step path (fences on preemption only)
+        self.write_back_bytes = WRITE_BEHIND_BYTES  # per group commit of the shutdown write-back
         self._staging_free: list["torch.Tensor"] = []  # page-aligned (pinned with CUDA) NVMe read buffers
         device = self.kv_layers[0].device if self.kv_layers else torch.device("cpu")
         self.device = device
@@ -289,12 +293,14 @@ class Mover:
                 self.slot_owner.pop(slot, None)
                 self.dirty.pop(slot, None)
 
-    def _write_behind_buffer(self) -> "torch.Tensor":
+    def _write_behind_buffer(self, max_bytes: int) -> "torch.Tensor":
+        """A page-aligned buffer for one write-behind batch (at least one slot), kept between calls."""
+        size = max(self.arena.slot_bytes, max_bytes)
         buffer = getattr(self, "_wb_buffer", None)
-        if buffer is None:
+        if buffer is None or buffer.numel() < size:
             from kvtier.tiers.dram import aligned_empty
 
-            buffer = self._wb_buffer = aligned_empty(self.arena.slot_bytes)
+            buffer = self._wb_buffer = aligned_empty(size)
         return buffer
 
     def dirty_due(self, max_age_s: float) -> int:
@@ -304,57 +310,69 @@ class Mover:
             return sum(1 for since in self.dirty.values() if since <= cutoff)
 
     def write_behind(self, max_age_s: float, max_blocks: int = 64, cold_codec: str = "none",
-                     room: Callable[[int], bool] | None = None) -> tuple[list[tuple[bytes, bytes, int, str]], str | None]:
-        """Write up to ``max_blocks`` DRAM blocks that have had no NVMe copy for ``max_age_s`` seconds
-        (oldest first) to the NVMe tier, keeping them in DRAM. Returns (namespace, key, nbytes, codec)
-        of each block written, for the manager (``TierManager.note_written_behind``), and the error
-        that stopped it (a full, read-only or missing disk), if any.
+                     room: Callable[[int], bool] | None = None,
+                     max_bytes: int = WRITE_BEHIND_BYTES) -> tuple[list[tuple[bytes, bytes, int, str]], str | None]:
+        """Write up to ``max_blocks`` DRAM blocks (``max_bytes`` at most) that have had no NVMe copy
+        for ``max_age_s`` seconds (oldest first) to the NVMe tier as one group commit, keeping them
+        in DRAM. Returns (namespace, key, nbytes, codec) of each block written, for the manager
+        (``TierManager.note_written_behind``), and the error that stopped it (a full, read-only or
+        missing disk), if any.
 
         Each slot is copied out under the slot lock, after checking it still holds the same block:
         a slot the manager freed and a new store reuses is never written under the old key.
-        ``room(nbytes)`` says whether the tier may take another file (the caller's watermark).
+        ``room(nbytes)`` says whether the tier may take that many more bytes of records (the
+        caller's watermark).
         """
         if self.store is None:
             return [], None
         from kvtier.errors import CapacityError
+        from kvtier.tiers.dram import round_up
+        from kvtier.tiers.records import file_bytes_for
 
         cutoff = time.monotonic() - max_age_s
         with self._slots_lock:
             due = sorted((since, slot) for slot, since in self.dirty.items() if since <= cutoff)[:max_blocks]
-        written: list[tuple[bytes, bytes, int, str]] = []
-        error = None
-        bounce = self._write_behind_buffer()
+        buffer = self._write_behind_buffer(max_bytes)
+        batch: list[tuple[int, tuple, BlockMove, "torch.Tensor"]] = []
+        used = planned = 0
         for _, slot in due:
             with self._slots_lock:
                 owner = self.slot_owner.get(slot)
                 if owner is None or slot not in self.dirty:
                     continue
                 namespace, key, nbytes, codec, first = owner
-                payload = bounce[:nbytes]  # page-aligned: the store writes it with O_DIRECT, no second copy
+                if batch and used + round_up(nbytes) > buffer.numel():
+                    break  # the next call takes the rest
+                payload = buffer[used : used + nbytes]  # page-aligned: written with O_DIRECT, no second copy
                 payload.copy_(self.arena.slot(slot, nbytes))
+            used += round_up(nbytes)
             move = BlockMove(row=-1, namespace=namespace, key=key, dram_slot=slot, nbytes=nbytes, codec=codec,
                              first=first, to_codec="" if codec == cold_codec else cold_codec)
-            try:
-                if move.to_codec:
-                    payload = self._transcoded(move, payload)
-                if room is not None and not room(len(payload)):
-                    break
-                self.store.write(namespace, key, payload, self.fingerprint.digest, move.codec, sync_dir=False)
-            except CapacityError as exc:  # kvtier's own NVMe budget: demotion makes room, not an error
-                log.info("kvtier: write-behind paused: %s", exc)
+            if move.to_codec:
+                payload = self._transcoded(move, payload)
+            if room is not None and not room(planned + file_bytes_for(len(payload))):
                 break
-            except (KvtierError, OSError) as exc:  # the disk is full, read-only, gone...: tell the manager
-                log.warning("kvtier: write-behind of block %s failed: %s", key.hex()[:16], exc)
-                error = str(exc)
-                break
+            planned += file_bytes_for(len(payload))
+            batch.append((slot, owner, move, payload))
+        outcomes = self.store.write_batch([(m.namespace, m.key, p, m.codec) for _s, _o, m, p in batch],
+                                          self.fingerprint.digest) if batch else []
+        written: list[tuple[bytes, bytes, int, str]] = []
+        error = None
+        for (slot, owner, move, _payload), outcome in zip(batch, outcomes):
+            if isinstance(outcome, CapacityError):  # kvtier's own NVMe budget: demotion makes room, not an error
+                log.info("kvtier: write-behind paused: %s", outcome)
+                continue
+            if isinstance(outcome, BaseException):  # the disk is full, read-only, gone...: tell the manager
+                if error is None:
+                    log.warning("kvtier: write-behind of block %s failed: %s", move.key.hex()[:16], outcome)
+                error = str(outcome)
+                continue
             with self._slots_lock:
                 if self.slot_owner.get(slot) == owner:
                     self.dirty.pop(slot, None)
             with self._lock:
                 self.link_bytes["dram->nvme"] += move.nbytes
-            written.append((namespace, key, move.nbytes, move.codec))
-        if written:
-            self.store.sync_dirs()  # durable before anyone is told
+            written.append((move.namespace, move.key, move.nbytes, move.codec))
         if error:
             self.disk_failing, self.disk_failed_at = True, time.monotonic()
         elif written:
@@ -365,12 +383,17 @@ class Mover:
         """Clean shutdown: write every DRAM block that has no NVMe copy to the NVMe tier, so a
         restart finds it (write-behind with no age limit). Stops quietly when the tier is full or the
         disk fails. Returns the blocks written."""
-        written, error = self.write_behind(0.0, len(self.dirty), cold_codec)
-        if error:
-            log.warning("kvtier: write-back stopped after %d blocks: %s", len(written), error)
-        if written:
-            log.info("kvtier: wrote %d DRAM-only blocks to the NVMe tier before shutting down", len(written))
-        return len(written)
+        total = 0
+        while True:  # one group commit per batch, until nothing is left or the disk says no
+            written, error = self.write_behind(0.0, len(self.dirty), cold_codec, max_bytes=self.write_back_bytes)
+            total += len(written)
+            if error:
+                log.warning("kvtier: write-back stopped after %d blocks: %s", total, error)
+            if error or not written:
+                break
+        if total:
+            log.info("kvtier: wrote %d DRAM-only blocks to the NVMe tier before shutting down", total)
+        return total
 
     @staticmethod
     def _note(result: JobResult, index: int, move: BlockMove) -> None:
@@ -469,15 +492,15 @@ class Mover:
         store = self._need_store()
         targets = {i: self.arena.slot(m.dram_slot) if m.dram_slot >= 0 and not m.to_codec
                    else self._take_staging(max(self.arena.slot_bytes, m.nbytes)) for i, m in reads}
-        futures = {i: store.submit_read(m.namespace, m.key, targets[i], self.fingerprint.digest) for i, m in reads}
-        for i, future in futures.items():
-            try:
-                nbytes, codec = future.result()
-            except (KvtierError, OSError) as exc:
+        # one batch: adjacent records (a session demoted together) come back in large reads
+        outcomes = store.read_batch([(m.namespace, m.key, targets[i]) for i, m in reads], self.fingerprint.digest)
+        for (i, _m), outcome in zip(reads, outcomes):
+            if isinstance(outcome, BaseException):
                 result.failed.append(i)
                 result.bad_reads.append(i)
-                result.error = str(exc)
+                result.error = str(outcome)
                 continue
+            nbytes, codec = outcome
             move = job.moves[i]
             move.nbytes, move.codec = nbytes, codec
             self._count("nvme->dram", nbytes, result)
@@ -518,16 +541,16 @@ class Mover:
         self._await_slots([m.dram_slot for m in job.moves])
         self._drop(job, result)
         store = self._need_store()
-        futures = []
+        blocks = []
         for i, move in enumerate(job.moves):
             move.nbytes = self._own_nbytes(move)
             payload = self.arena.slot(move.dram_slot, move.nbytes)
             if move.to_codec:  # the cold tier's codec differs from the warm one
                 payload = self._transcoded(move, payload)
             self._note(result, i, move)
-            futures.append(store.submit_write(move.namespace, move.key, payload, self.fingerprint.digest, move.codec))
-        self._collect_writes(futures, job.moves, result, "dram->nvme")
-        store.sync_dirs()
+            blocks.append((move.namespace, move.key, payload, move.codec))
+        # one group commit: durable (and in the tier's index) when it returns
+        self._collect_writes(store.write_batch(blocks, self.fingerprint.digest), job.moves, result, "dram->nvme")
         failed = set(result.failed)
         with self._slots_lock:
             for i, move in enumerate(job.moves):
@@ -553,13 +576,11 @@ class Mover:
         move.codec, move.nbytes = move.to_codec, n
         return out[:n]
 
-    def _collect_writes(self, futures, moves: Sequence[BlockMove], result: JobResult, link: str) -> None:
-        for i, future in enumerate(futures):
-            try:
-                future.result()
-            except (KvtierError, OSError) as exc:
+    def _collect_writes(self, outcomes: Sequence, moves: Sequence[BlockMove], result: JobResult, link: str) -> None:
+        for i, outcome in enumerate(outcomes):
+            if isinstance(outcome, BaseException):
                 result.failed.append(i)
-                result.error = str(exc)
+                result.error = str(outcome)
                 self.disk_failing, self.disk_failed_at = True, time.monotonic()
                 continue
             self.disk_failing = False
@@ -567,9 +588,7 @@ class Mover:
 
     def _drop(self, job: Job, result: JobResult) -> None:
         if job.drops:
-            store = self._need_store()
-            for move in job.drops:
-                store.delete(move.namespace, move.key)
+            self._need_store().delete_many([(move.namespace, move.key) for move in job.drops])
 
     # ---- snapshots ----------------------------------------------------------------------------
     def _snapshot(self, job: Job, result: JobResult) -> None:
@@ -635,16 +654,29 @@ class Mover:
         from kvtier.snapshot import read_blocks, shard_path
 
         wanted = {m.position: i for i, m in enumerate(job.moves)}  # snapshot position -> move
-        writes = []
+        pending: list[tuple[int, bytearray]] = []  # blocks bound for NVMe, written in group commits
+        written: list[int] = []
+        outcomes: list = []
+
+        def flush() -> None:
+            if pending:
+                store = self._need_store()
+                outcomes.extend(store.write_batch([(job.moves[i].namespace, job.moves[i].key, data,
+                                                    job.moves[i].codec) for i, data in pending],
+                                                  self.fingerprint.digest))
+                written.extend(i for i, _ in pending)
+                pending.clear()
+
         for position, payload in read_blocks(shard_path(job.path, self.rank, self.shards),
                                              expected_fingerprint=self.fingerprint):
             i = wanted.get(position)
             if i is None:
                 continue
             move = job.moves[i]
-            if move.to_nvme:  # the reader reuses its buffer: hand the writer its own copy
-                writes.append((i, self._need_store().submit_write(
-                    move.namespace, move.key, bytearray(payload), self.fingerprint.digest, move.codec)))
+            if move.to_nvme:  # the reader reuses its buffer: keep a copy for the batch
+                pending.append((i, bytearray(payload)))
+                if sum(len(data) for _, data in pending) >= RESTORE_BATCH_BYTES:
+                    flush()
             elif move.to_codec and move.to_codec != move.codec:  # too big for a warm slot: re-encode
                 import torch
 
@@ -658,10 +690,9 @@ class Mover:
                 self.arena.slot(move.dram_slot, len(payload)).numpy()[:] = np.frombuffer(payload, np.uint8)
                 self._own(move)
                 self._count("snapshot->dram", len(payload), result)
-        self._collect_writes([f for _, f in writes], [job.moves[i] for i, _ in writes], result, "snapshot->nvme")
-        result.failed = [writes[k][0] for k in result.failed]
-        if writes:
-            self._need_store().sync_dirs()
+        flush()
+        self._collect_writes(outcomes, [job.moves[i] for i in written], result, "snapshot->nvme")
+        result.failed = [written[k] for k in result.failed]
 
     # ---- CUDA plumbing ------------------------------------------------------------------------
     def _on_stream(self):

@@ -211,11 +211,12 @@ def filesystem_type(path: str | os.PathLike[str], mounts_file: str = "/proc/moun
 
 
 def _stored_bytes(nvme_dir: Path) -> int:
-    """Bytes kvtier's block files already take under ``nvme_dir`` (reusable by the new budget)."""
+    """Bytes kvtier's segments (and old-layout block files) already take on disk under ``nvme_dir``,
+    every rank's included (reusable by the new budget)."""
     total = 0
-    for root, _dirs, files in os.walk(nvme_dir / "blocks"):
+    for root, _dirs, files in os.walk(nvme_dir):
         for name in files:
-            if name.endswith(".kvb"):
+            if name.endswith((".kvseg", ".kvb")):
                 try:
                     total += os.stat(os.path.join(root, name)).st_blocks * 512
                 except OSError:  # removed meanwhile: nothing to count

@@ -48,6 +48,34 @@ def make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, nvme_blocks=64, polic
                       policy, kv_layers=hbm, **kwargs)
 
 
+def records_on_disk(nvme_dir) -> list:
+    """(segment file, offset, record bytes) of every block an NVMe directory holds, in disk order
+    (read-only: works beside a running server)."""
+    from kvtier.tiers.nvme import NvmeStore
+
+    store = NvmeStore(nvme_dir, 1 << 40, io_threads=1, readonly=True)
+    try:
+        return sorted(store.locate(r.namespace, r.key) for r in store.scan())
+    finally:
+        store.close()
+
+
+def break_disk(nvme):
+    """A real filesystem fault that fails every commit and keeps every record: the tier's index
+    journal moved aside and a directory put in its place (appends fail with EISDIR)."""
+    from kvtier.tiers.journal import JOURNAL_NAME
+
+    (nvme / JOURNAL_NAME).rename(nvme / "journal.aside")
+    (nvme / JOURNAL_NAME).mkdir()
+
+
+def heal_disk(nvme):
+    from kvtier.tiers.journal import JOURNAL_NAME
+
+    (nvme / JOURNAL_NAME).rmdir()
+    (nvme / "journal.aside").rename(nvme / JOURNAL_NAME)
+
+
 # --- demo model (kvtier.demo_model) ------------------------------------------------------------
 
 

@@ -112,7 +112,7 @@ def test_bench_parts_produce_every_figure(tmp_path):
 
     results = {}
     results.update(tiers.bench_dram(blocks=4, reps=1))
-    results.update(tiers.bench_nvme(tmp_path, blocks=4, reps=1))
+    results.update(tiers.bench_nvme(tmp_path, total_bytes=4 << 20, reps=1, sizes={"64k": 64 << 10, "2m": 2 << 20}))
     results.update(tiers.bench_snapshot(tmp_path, session_bytes=8 << 20, reps=1))
     results.update(tiers.bench_index(num_blocks=20_000))
     for key in tiers.TIERS_KEYS:

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from conftest import break_disk, heal_disk
 from kvtier.bench import faults
 
 
@@ -15,9 +16,11 @@ def test_crash_trials_lose_nothing_and_serve_nothing_wrong(tmp_path):
     out = faults.run_crash_trials(10, seed=3, directory=tmp_path, progress=lambda _m: None)
     assert out["crash_trials"] == 10
     bad = {k: out[k] for k in ("corrupt_loads", "lost_acknowledged_blocks", "lost_acknowledged_snapshots",
-                               "bad_snapshots", "unreadable_blocks", "temp_files_left", "live_wrong_loads")}
+                               "bad_snapshots", "unreadable_blocks", "unnamed_bytes_after_restart",
+                               "live_wrong_loads")}
     assert not any(bad.values()), bad
     assert out["blocks_checked"] > 50 and out["snapshots_checked"] > 0
+    assert out["index_rebuilds"] >= 2  # every fourth restart rebuilt a lost index from the segments
     assert out["_acknowledged_blocks_at_end"] > 0  # the durability check had something to check
 
 
@@ -35,7 +38,7 @@ def test_the_restart_check_catches_a_wrong_block(tmp_path):
     world.close()
     out = {k: 0 for k in ("corrupt_loads", "lost_acknowledged_blocks", "lost_acknowledged_snapshots",
                           "bad_snapshots", "unreadable_blocks", "blocks_checked", "snapshots_checked",
-                          "temp_files_left", "snapshot_temp_files_cleaned")}
+                          "unnamed_bytes_after_restart", "index_rebuilds", "snapshot_temp_files_cleaned")}
     faults._verify_after_restart(tmp_path, set(keys) | {b"\x01" * 32}, set(), [], out)
     assert out["corrupt_loads"] == 1 and out["lost_acknowledged_blocks"] == 1 and out["blocks_checked"] == 4
 
@@ -44,7 +47,8 @@ def test_every_corruption_is_detected_and_nothing_wrong_is_served(tmp_path):
     out = faults.run_corruption_trials(48, seed=5, directory=tmp_path, progress=lambda _m: None)
     assert out["corrupt_loads"] == 0
     assert out["corruption_detected_ratio"] == 1.0
-    assert set(out["_by_fault"]) == {f"{kind}:{fault}" for kind in ("block", "snapshot") for fault in faults.FAULTS}
+    assert set(out["_by_fault"]) == {f"block:{fault}" for fault in faults.BLOCK_FAULTS} | \
+        {f"snapshot:{fault}" for fault in faults.FAULTS}
     assert all(v["detected"] == v["trials"] for v in out["_by_fault"].values()), out["_by_fault"]
 
 
@@ -77,15 +81,12 @@ def _pressure_world(tmp_path):
 
 
 def test_a_failing_disk_warns_keeps_serving_and_recovers(tmp_path):
-    """A real filesystem fault (the NVMe temp directory replaced by a file: every write fails with
-    ENOTDIR): demotions fail, the warning is set, DRAM keeps turning over (victims dropped while
-    the disk is failing), loads of what is held stay correct; once the disk works again a
-    demotion succeeds and the warning clears."""
+    """A real filesystem fault (every commit fails with EISDIR): demotions fail, the warning is set,
+    DRAM keeps turning over (victims dropped while the disk is failing), loads of what is held stay
+    correct; once the disk works again a demotion succeeds and the warning clears."""
     world, sessions = _pressure_world(tmp_path)
     engine = world.engine
-    tmp_dir = tmp_path / "nvme" / "tmp"
-    shutil.rmtree(tmp_dir)
-    tmp_dir.write_text("not a directory")
+    break_disk(tmp_path / "nvme")
     manager = engine.manager
     manager.low = 0.0  # every DRAM block must go
     engine.maintain(force=True)
@@ -99,7 +100,7 @@ def test_a_failing_disk_warns_keeps_serving_and_recovers(tmp_path):
     assert manager.counters["demote_skipped_nvme_failing_blocks"] > 0
     loaded, wrong = world.load_and_check(keys)
     assert loaded == 6 and wrong == []
-    tmp_dir.unlink()  # the disk works again
+    heal_disk(tmp_path / "nvme")  # the disk works again
     manager._nvme_retry_at = 0.0  # skip the back-off wait
     manager.low = 0.0
     engine.maintain(force=True)
@@ -115,9 +116,7 @@ def test_a_failing_disk_never_drops_a_session_pinned_to_nvme(tmp_path):
     world, sessions = _pressure_world(tmp_path)
     engine, manager = world.engine, world.engine.manager
     engine.pin("s1", Tier.NVME)
-    tmp_dir = tmp_path / "nvme" / "tmp"
-    shutil.rmtree(tmp_dir)
-    tmp_dir.write_text("not a directory")
+    break_disk(tmp_path / "nvme")
     manager.low = 0.0
     engine.maintain(force=True)  # fails: the back-off starts
     assert "nvme" in manager.warnings
@@ -125,7 +124,7 @@ def test_a_failing_disk_never_drops_a_session_pinned_to_nvme(tmp_path):
     assert manager.counters["demote_skipped_nvme_failing_blocks"] > 0
     loaded, wrong = world.load_and_check(sessions[1])
     assert loaded == 4 and wrong == []  # the pinned session is all still there
-    tmp_dir.unlink()
+    heal_disk(tmp_path / "nvme")
     manager._nvme_retry_at = 0.0
     engine.maintain(force=True)  # the disk works again: the pinned blocks reach it
     rows = manager.session_rows(manager.session("s1"))
@@ -146,7 +145,7 @@ def test_nvme_directory_removed_while_serving_is_recreated(tmp_path):
     world.put(keys, range(3))
     world.engine.store("fresh", world.ns, keys, [0, 1, 2], num_tokens=48)
     world.engine.evict("fresh", Tier.NVME)  # the next demotion recreates the directory
-    assert (tmp_path / "nvme" / "tmp").is_dir() and "nvme" not in world.engine.manager.warnings
+    assert (tmp_path / "nvme" / "segments").is_dir() and "nvme" not in world.engine.manager.warnings
     assert "nvme_reads" in world.engine.manager.warnings and "vanished" in world.engine.manager.warnings["nvme_lost"]
     world.close()
     again = faults.World(tmp_path, dram_blocks=8, nvme_blocks=64)  # and a restart finds the new blocks

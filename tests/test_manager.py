@@ -5,6 +5,8 @@ vLLM-layout CPU tensors standing in for HBM, parametrized over the eviction poli
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -209,10 +211,12 @@ def test_cold_tier_survives_restart(fingerprint, hbm, tmp_path, policy):
     assert len(restarted.manager.lookup(ns, keys)) == 4
     assert restarted.load(ns, keys, [30, 31, 32, 33]) == 4
     assert blocks_equal(hbm, [30, 31, 32, 33], reference, [0, 1, 2, 3])
+    restarted.close()
     # another model on the same directory sees none of it
     other = ModelFingerprint("other", fingerprint.geometry)
     stranger = make_engine(other, hbm, tmp_path, policy=policy)
     assert stranger.manager.lookup(namespace_of(other.digest), keys) == []
+    stranger.close()
 
 
 def test_corrupt_nvme_block_loads_prefix_only(fingerprint, hbm, tmp_path, policy):
@@ -222,15 +226,16 @@ def test_corrupt_nvme_block_loads_prefix_only(fingerprint, hbm, tmp_path, policy
     engine.store("s", ns, keys, [0, 1, 2, 3])
     engine.evict("s", Tier.NVME)
     # flip one payload bit of the third block on disk
-    path = engine.nvme.path_of(ns, keys[2])
-    data = bytearray(path.read_bytes())
-    data[5000] ^= 0x10
-    path.write_bytes(bytes(data))
+    path, offset, size = engine.nvme.locate(ns, keys[2])
+    with open(path, "r+b") as f:
+        byte = os.pread(f.fileno(), 1, offset + 5000)
+        os.pwrite(f.fileno(), bytes([byte[0] ^ 0x10]), offset + 5000)
     # the load stops before the bad block; it is counted, dropped, and never served
     assert engine.load(ns, keys, [40, 41, 42, 43]) == 2
     assert engine.manager.counters["nvme_failed_reads"] == 1
     assert where(engine, ns, keys)[2] == "-"
-    assert not path.exists()
+    with open(path, "rb") as f:  # its record is punched out of the segment
+        assert os.pread(f.fileno(), size, offset) == bytes(size)
 
 
 def test_arc_ghost_hit_grows_recency_target():

@@ -1,8 +1,9 @@
-"""Tests for kvtier.tiers.nvme: block files on a real disk with real O_DIRECT, no mocks.
+"""Tests for kvtier.tiers.nvme: block records in segment files on a real disk with real O_DIRECT, no mocks.
 
-Scenarios: round trips from/to aligned and unaligned memory in both IO modes, restart (scan), every
-kind of corruption, the byte budget, a really full filesystem (a 2 MiB tmpfs), SIGKILLed writers,
-and parallel IO through the store's thread pool.
+Scenarios: round trips from/to aligned and unaligned memory in both IO modes, restart (journal
+replay), every kind of corruption, the byte budget, a really full filesystem (a 2 MiB tmpfs),
+SIGKILLed writers, and parallel IO through the store's thread pool. Segment-specific cases (torn
+tails, a lost index, compaction, the old layout, the lock) are in test_segments.py.
 """
 from __future__ import annotations
 
@@ -43,12 +44,20 @@ def read_back(store: NvmeStore, ns: bytes, key: bytes, fp: bytes = FP) -> tuple[
     return bytes(dst[:nbytes].numpy()), codec
 
 
-def block_files(root: Path) -> list[Path]:
-    return sorted((root / "blocks").rglob("*.kvb"))
+def segment_files(root: Path) -> list[Path]:
+    return sorted((root / "segments").glob("*.kvseg"))
 
 
-def tmp_files(root: Path) -> list[str]:
-    return sorted(os.listdir(root / "tmp"))
+def stray_files(root: Path) -> list[str]:
+    """Files a failed or killed write could leave behind (the old layout's temp files, temp journals)."""
+    return sorted(p.name for p in root.rglob("*") if p.name.endswith(".tmp") or p.parent.name == "tmp")
+
+
+def record_bytes(store: NvmeStore, key: bytes, ns: bytes = NS) -> bytes:
+    path, offset, size = store.locate(ns, key)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
 
 
 @pytest.fixture
@@ -91,10 +100,12 @@ def test_round_trip(tmp_path, direct, src_kind, dst_kind):
                 assert payload.data_ptr() % PAGE
             else:
                 payload = bytearray(data)
-            # Write: the file is the header page plus the page-padded payload.
+            # Write: the record is the header page plus the page-padded payload, in a segment.
             size = store.write(NS, key, payload, FP, codec="fp8-e4m3")
             assert size == file_bytes_for(n) == HEADER_BYTES + round_up(n)
-            assert store.path_of(NS, key).stat().st_size == size
+            path, offset, length = store.locate(NS, key)
+            assert length == size and offset % PAGE == 0 and path.parent.name == "segments"
+            assert record_bytes(store, key)[HEADER_BYTES : HEADER_BYTES + n] == data
             assert store.contains(NS, key)
             # Read into an aligned arena slot or an unaligned tensor (neighbours untouched).
             if dst_kind == "arena":
@@ -111,7 +122,7 @@ def test_round_trip(tmp_path, direct, src_kind, dst_kind):
             assert got == data
         assert store.num_blocks == len(SIZES)
         assert store.used_bytes == sum(file_bytes_for(n) for n in SIZES)
-        assert tmp_files(store.root) == []
+        assert len(segment_files(store.root)) == 1 and stray_files(store.root) == []
     finally:
         store.close()
 
@@ -134,21 +145,24 @@ def test_noncontiguous_tensor_payload(tmp_path, direct):
         store.close()
 
 
-def test_overwrite_with_other_size_replaces_file(store):
-    # Write a key, then the same key with another payload size: one file, the new bytes.
+def test_overwrite_with_other_size_replaces_the_record(store):
+    # Write a key, then the same key with another payload size: the new bytes, the old record punched out.
     store.write(NS, b"k", bytearray(payload_for(b"a", 5000)), FP)
+    first = store.locate(NS, b"k")
     store.write(NS, b"k", bytearray(payload_for(b"b", 9000)), FP)
-    assert [p.name for p in block_files(store.root)] == [f"{b'k'.hex()}.9000.kvb"]
     assert read_back(store, NS, b"k")[0] == payload_for(b"b", 9000)
     assert store.used_bytes == file_bytes_for(9000) and store.num_blocks == 1
-    # Same size again: replaced in place.
+    with open(first[0], "rb") as f:  # the old record's pages are a hole now: zeros
+        assert os.pread(f.fileno(), first[2], first[1]) == bytes(first[2])
+    # Same size again: replaced.
     store.write(NS, b"k", bytearray(payload_for(b"c", 9000)), FP)
     assert read_back(store, NS, b"k")[0] == payload_for(b"c", 9000)
     assert store.used_bytes == file_bytes_for(9000)
-    # Delete frees its bytes and its file.
+    assert store.disk_bytes() <= 2 * file_bytes_for(9000)  # punched: the disk holds the live record
+    # Delete frees its bytes.
     assert store.delete(NS, b"k") == file_bytes_for(9000)
     assert store.delete(NS, b"k") == 0
-    assert store.used_bytes == 0 and block_files(store.root) == []
+    assert store.used_bytes == 0 and store.disk_bytes() <= PAGE
     with pytest.raises(StorageError):
         read_back(store, NS, b"k")
 
@@ -160,11 +174,11 @@ def test_bad_ids_are_refused(store):
         store.write(NS, b"k" * 65, bytearray(10), FP)
     with pytest.raises(ValueError):
         store.write(NS, b"k", bytearray(10), FP[:4])
-    assert store.used_bytes == 0 and tmp_files(store.root) == []
+    assert store.used_bytes == 0 and store.num_blocks == 0
 
 
 # ---- restart ----------------------------------------------------------------------------------
-def test_restart_scan_rebuilds_the_index(tmp_path):
+def test_restart_replays_the_index(tmp_path):
     root = tmp_path / "nvme"
     # First life: blocks in two namespaces, one of them overwritten with another size.
     first = NvmeStore(root, GiB)
@@ -177,16 +191,19 @@ def test_restart_scan_rebuilds_the_index(tmp_path):
     first.write(NS, b"again", bytearray(payload_for(NS + b"again", 100)), FP)
     first.write(NS, b"again", bytearray(payload_for(NS + b"again", 7000)), FP)
     expected.add(BlockRecord(NS, b"again", 7000))
+    first.write(NS, b"gone", bytearray(payload_for(NS + b"gone", 3000)), FP)
+    first.delete(NS, b"gone")
     first.close()
 
-    # A crash left temp files behind; opening the store removes them.
+    # The old layout's temp directory (a crash in an earlier version) is cleaned away.
+    (root / "tmp").mkdir()
     (root / "tmp" / "abcd.5000.12345678").write_bytes(b"x" * 5000)
-    (root / "tmp" / "leftover").write_bytes(b"")
+    stray = root / "segments" / "not-a-segment.txt"
+    stray.write_bytes(b"?")
     second = NvmeStore(root, GiB)
     try:
-        assert tmp_files(root) == []
-        # Nothing is known before scan(); scan() finds every block with its size.
-        assert not second.contains(NS, b"again")
+        assert not (root / "tmp").exists() and stray.exists()
+        assert not second.rebuilt_index and second.removed_at_scan == 0
         records = second.scan()
         assert len(records) == len(expected) and set(records) == expected
         assert second.num_blocks == len(expected)
@@ -194,28 +211,24 @@ def test_restart_scan_rebuilds_the_index(tmp_path):
         # Every block reads back and verifies.
         for r in expected:
             assert read_back(second, r.namespace, r.key)[0] == payload_for(r.namespace + r.key, r.nbytes)
+        victim = BlockRecord(NS, b"again", 7000)
+        path, offset, size = second.locate(NS, b"again")
     finally:
         second.close()
 
-    # Truncate two block files (mid-payload, and down to the header) and add a stray file.
-    biggest_ns2 = next(r for r in expected if r.namespace == NS2 and r.nbytes == 70000)
-    victims = [BlockRecord(NS, b"again", 7000), biggest_ns2]
-    paths = [second.path_of(v.namespace, v.key, v.nbytes) for v in victims]
-    os.truncate(paths[0], file_bytes_for(7000) - 100)
-    os.truncate(paths[1], HEADER_BYTES)
-    stray = root / "blocks" / NS.hex() / "zz" / "not-a-block.kvb"
-    stray.parent.mkdir()
-    stray.write_bytes(b"?")
+    # The disk loses the end of the segment, in the middle of the last record: that block is
+    # dropped at start, the rest is intact.
+    os.truncate(path, offset + size - 100)
     third = NvmeStore(root, GiB)
     try:
-        # scan() removes the truncated files and ignores the stray one.
         records = third.scan()
-        assert set(records) == expected - set(victims)
-        assert not any(p.exists() for p in paths)
-        assert stray.exists()
+        assert set(records) == expected - {victim}
+        assert third.removed_at_scan == 1
         assert third.used_bytes == sum(file_bytes_for(r.nbytes) for r in records)
         for r in records:
             assert read_back(third, r.namespace, r.key)[0] == payload_for(r.namespace + r.key, r.nbytes)
+        third.write(NS, b"after", bytearray(payload_for(b"after", 5000)), FP)  # a new segment takes it
+        assert read_back(third, NS, b"after")[0] == payload_for(b"after", 5000)
     finally:
         third.close()
 
@@ -233,7 +246,7 @@ def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
 
 CORRUPTIONS = ["payload_first_bit", "payload_last_byte", "header_magic", "header_nbytes",
                "header_fingerprint", "header_key", "header_checksum", "swapped", "wrong_fingerprint",
-               "truncated_after_scan", "truncated_page_after_scan", "vanished"]
+               "truncated_after_scan", "truncated_page_after_scan", "zeroed", "segment_vanished"]
 
 
 @pytest.mark.parametrize("kind", CORRUPTIONS)
@@ -242,67 +255,73 @@ def test_corruption_is_detected_and_block_removed(tmp_path, kind, direct):
     root = tmp_path / "nvme"
     n = 5000
     store = NvmeStore(root, GiB, direct=direct)
-    # Three blocks of the same size (so a swapped file has the right length).
-    for key in (b"A", b"B", b"C"):
+    # Three blocks of the same size (so a swapped record has the right length); A is the last record.
+    for key in (b"B", b"C", b"A"):
         store.write(NS, key, bytearray(payload_for(key, n)), FP)
-    if kind.endswith("after_scan"):  # restart first, so the index comes from scan()
+    if kind.endswith("after_scan"):  # restart first, so the index comes from the journal
         store.close()
         store = NvmeStore(root, GiB, direct=direct)
         assert len(store.scan()) == 3
-    path_a, path_b = store.path_of(NS, b"A"), store.path_of(NS, b"B")
+    path, at, size = store.locate(NS, b"A")
+    _path, at_b, _size = store.locate(NS, b"B")
     fp = FP
     # Damage block A.
     if kind == "payload_first_bit":
-        flip_bit(path_a, HEADER_BYTES, 0)
+        flip_bit(path, at + HEADER_BYTES, 0)
     elif kind == "payload_last_byte":
-        flip_bit(path_a, HEADER_BYTES + n - 1, 7)
+        flip_bit(path, at + HEADER_BYTES + n - 1, 7)
     elif kind == "header_magic":
-        flip_bit(path_a, 0, 3)
+        flip_bit(path, at, 3)
     elif kind == "header_nbytes":
-        flip_bit(path_a, 8, 1)
+        flip_bit(path, at + 8, 1)
     elif kind == "header_fingerprint":
-        flip_bit(path_a, 40, 5)
+        flip_bit(path, at + 40, 5)
     elif kind == "header_key":
-        flip_bit(path_a, 100, 0)
+        flip_bit(path, at + 100, 0)
     elif kind == "header_checksum":
-        flip_bit(path_a, 150, 2)
-    elif kind == "swapped":  # B's file renamed over A's name: right size, wrong block
-        os.replace(path_b, path_a)
+        flip_bit(path, at + 150, 2)
+    elif kind == "swapped":  # B's record copied over A's: right size, wrong block
+        with open(path, "r+b") as f:
+            os.pwrite(f.fileno(), os.pread(f.fileno(), size, at_b), at)
     elif kind == "wrong_fingerprint":  # an engine running another model asks for A
         fp = FP2
     elif kind == "truncated_after_scan":
-        os.truncate(path_a, file_bytes_for(n) - 100)
+        os.truncate(path, at + size - 100)
     elif kind == "truncated_page_after_scan":
-        os.truncate(path_a, file_bytes_for(n) - PAGE)
-    elif kind == "vanished":
-        path_a.unlink()
+        os.truncate(path, at + size - PAGE)
+    elif kind == "zeroed":
+        with open(path, "r+b") as f:
+            os.pwrite(f.fileno(), bytes(size), at)
+    elif kind == "segment_vanished":
+        path.unlink()
     used = store.used_bytes
     try:
         # The read detects it ...
         with pytest.raises(CorruptBlockError) as info:
             read_back(store, NS, b"A", fp)
-        assert info.value.path and Path(info.value.path).name == path_a.name
+        assert info.value.path and Path(info.value.path).name == path.name
         # ... and the block is gone: from the index, the budget and the disk.
         assert not store.contains(NS, b"A")
         assert store.used_bytes == used - file_bytes_for(n)
-        assert not path_a.exists()
+        if path.exists() and path.stat().st_size >= at + size:
+            assert os.pread(os.open(path, os.O_RDONLY), size, at) == bytes(size)  # punched out
         with pytest.raises(StorageError):
             read_back(store, NS, b"A")
-        # C is unharmed; B too, unless its file was the one moved over A.
+        if kind == "segment_vanished":  # its neighbours went with it, each found on its read
+            for key in (b"B", b"C"):
+                with pytest.raises(CorruptBlockError):
+                    read_back(store, NS, key)
+            return
+        # B and C are unharmed.
         assert read_back(store, NS, b"C")[0] == payload_for(b"C", n)
-        if kind == "swapped":
-            with pytest.raises(CorruptBlockError):
-                read_back(store, NS, b"B")
-            assert not store.contains(NS, b"B")
-        else:
-            assert read_back(store, NS, b"B")[0] == payload_for(b"B", n)
+        assert read_back(store, NS, b"B")[0] == payload_for(b"B", n)
     finally:
         store.close()
     # A restarted store does not bring A back.
     again = NvmeStore(root, GiB)
     try:
         keys = {r.key for r in again.scan()}
-        assert b"A" not in keys and b"C" in keys
+        assert b"A" not in keys and {b"B", b"C"} <= keys
     finally:
         again.close()
 
@@ -322,8 +341,7 @@ def test_capacity_budget(tmp_path):
             store.write(NS, b"\x03", bytearray(payload_for(b"\x03", n)), FP)
         assert info.value.hint
         assert store.used_bytes == 3 * file_bytes_for(n) <= capacity
-        assert not store.contains(NS, b"\x03") and len(block_files(store.root)) == 3
-        assert tmp_files(store.root) == []
+        assert not store.contains(NS, b"\x03") and store.num_blocks == 3
         # A small payload still needs a whole header page plus a payload page: refused too.
         with pytest.raises(CapacityError):
             store.write(NS, b"tiny", bytearray(1), FP)
@@ -363,14 +381,13 @@ def enospc_scenario(mnt: str) -> None:
         else:
             raise AssertionError("a 2 MiB filesystem never filled up")
         assert len(written) >= 5, len(written)
-        # The failed write left no temp file and no block file; the budget counts only real blocks.
-        assert tmp_files(root) == [], tmp_files(root)
-        assert len(block_files(root)) == len(written)
+        # The failed write left nothing named; the budget counts only real blocks.
+        assert store.num_blocks == len(written)
         assert store.used_bytes == sum(file_bytes_for(n) for n in written.values())
         # Another write still fails cleanly.
         with pytest.raises(StorageFullError):
             store.write(NS, b"one-more", bytearray(payload_for(b"one-more", 200_000)), FP)
-        assert tmp_files(root) == []
+        assert store.num_blocks == len(written)
         # Every earlier block still reads back intact.
         for key, n in written.items():
             assert read_back(store, NS, key)[0] == payload_for(key, n)
@@ -379,7 +396,6 @@ def enospc_scenario(mnt: str) -> None:
     # After a restart, scan() sees exactly the successful writes.
     store = NvmeStore(root, GiB)
     try:
-        assert tmp_files(root) == []
         assert set(store.scan()) == {BlockRecord(NS, k, n) for k, n in written.items()}
         for key, n in written.items():
             assert read_back(store, NS, key)[0] == payload_for(key, n)
@@ -476,12 +492,13 @@ def test_sigkill_during_writes_keeps_acknowledged_blocks(tmp_path):
         acked.update(k.encode() for k in rest[:-1] if k)
         proc.stdout.close()
         proc.stderr.close()
-        interrupted += bool(tmp_files(root))
+        segments = segment_files(root)
+        unnamed = segments[-1].stat().st_size if segments else 0  # bytes a killed batch may have left
 
-        # A fresh store: temp files gone, only complete blocks visible, every ack present and intact.
+        # A fresh store: only complete blocks visible, every ack present and intact, torn tails punched.
         store = NvmeStore(root, 1 << 40)
         try:
-            assert tmp_files(root) == []
+            interrupted += unnamed > store.used_bytes
             records = store.scan()
             visible = {r.key: r.nbytes for r in records}
             assert all(r.namespace == NS for r in records)
@@ -495,7 +512,7 @@ def test_sigkill_during_writes_keeps_acknowledged_blocks(tmp_path):
         finally:
             store.close()
     assert len(acked) >= 10
-    print(f"{len(acked)} acknowledged blocks, {interrupted} kills left a temp file behind")
+    print(f"{len(acked)} acknowledged blocks, {interrupted} kills left unnamed bytes behind")
 
 
 # ---- parallel IO through the thread pool ---------------------------------------------------------
@@ -526,8 +543,7 @@ def test_submit_write_and_read_in_parallel(tmp_path, direct):
             for key, data, future in batch:
                 assert future.result(timeout=60) == file_bytes_for(len(data))
                 jobs[key] = data
-        store.sync_dirs()
-        assert store.num_blocks == 32 and tmp_files(store.root) == []
+        assert store.num_blocks == 32 and stray_files(store.root) == []
 
         # Read all 32 back at once: half into arena slots, half into unaligned tensors.
         arena.buffer.zero_()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_engine
+from conftest import break_disk, heal_disk, make_engine
 from kvtier.catalog import Catalog, CatalogLockedError, held_locks
 from kvtier.index import IN_DRAM, IN_NVME, Tier, chain_block_hashes, namespace_of
 from kvtier.jobs import JobKind
@@ -353,18 +353,16 @@ def test_dirty_age_grows_until_written(fingerprint, hbm, tmp_path):
 
 
 def test_a_failing_disk_stops_write_behind_with_a_warning_until_it_recovers(fingerprint, hbm, tmp_path):
-    import shutil
 
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     store(engine, "agent", 1, 3)
-    tmp_dir = tmp_path / "nvme" / "tmp"
-    shutil.rmtree(tmp_dir)
-    tmp_dir.write_text("not a directory")  # every block write now fails for real
+    engine.flush()
+    store(engine, "later0", 3, 3)
+    break_disk(tmp_path / "nvme")  # every commit now fails for real
     assert engine.write_behind(0) == 0
     assert "nvme" in engine.manager.warnings and engine.manager.counters["write_behind_failures"] == 1
     assert engine.manager.dirty_stats()["dirty_blocks"] == 3  # still in DRAM, still owed to the disk
-    tmp_dir.unlink()
-    tmp_dir.mkdir()
+    heal_disk(tmp_path / "nvme")
     assert engine.write_behind(0) == 3 and engine.manager.dirty_stats()["dirty_blocks"] == 0
     assert "nvme" in engine.manager.warnings  # one write that slips through does not end it at once...
     time.sleep(1.05)  # ...a write after the back-off (1 s after a first failure) does
@@ -390,19 +388,18 @@ def test_a_wiped_nvme_dir_is_recreated_with_its_catalog(fingerprint, hbm, tmp_pa
 
 
 def test_the_disk_probe_tells_a_failing_disk_from_a_healed_one(fingerprint, hbm, tmp_path):
-    import shutil
 
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
-    tmp_dir = tmp_path / "nvme" / "tmp"
+    store(engine, "agent", 1, 1)
+    engine.flush()  # the index exists
     assert engine.nvme.probe() is None
-    shutil.rmtree(tmp_dir)
-    tmp_dir.write_text("not a directory")
+    break_disk(tmp_path / "nvme")
     error = engine.nvme.probe()
     assert error and "does not take writes" in error
     # the manager hears it like a failed write, and the probe that succeeds later like a good one
     engine.execute(engine.manager.note_written_behind([], error))
     assert "nvme" in engine.manager.warnings
-    tmp_dir.unlink()
+    heal_disk(tmp_path / "nvme")
     assert engine.nvme.probe() is None
     time.sleep(1.05)  # past the back-off
     engine.execute(engine.manager.note_written_behind([], None, disk_ok=True))
@@ -418,7 +415,7 @@ def test_a_wiped_nvme_dir_is_noticed_even_with_nothing_to_write(fingerprint, hbm
     engine.flush()  # every block is on NVMe: write-behind has nothing to write
     shutil.rmtree(tmp_path / "nvme")
     assert engine.write_behind(0) == 0
-    assert "nvme_lost" in engine.manager.warnings and (tmp_path / "nvme" / "blocks").is_dir()
+    assert "nvme_lost" in engine.manager.warnings and (tmp_path / "nvme" / "segments").is_dir()
     engine.close()
 
 
@@ -450,4 +447,17 @@ def test_a_full_disk_at_a_full_budget_stays_full_until_a_margin_is_free(fingerpr
     manager.note_written_behind([], None, disk_ok=True, disk_free=manager.full_disk_margin())
     assert "nvme" not in manager.warnings
     manager._nvme_used = 0
+    engine.close()
+
+
+def test_the_shutdown_write_back_writes_every_dirty_block_batch_after_batch(fingerprint, hbm, tmp_path):
+    """Write-behind takes one group commit's worth per call; the shutdown write-back must keep going
+    until nothing is owed to the disk."""
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    keys = store(engine, "agent", 1, 6)
+    engine.mover.write_back_bytes = 1  # one block per group commit
+    assert engine.manager.dirty_stats()["dirty_blocks"] == 6
+    engine.close()  # the write-back
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    assert loads(engine, keys) == 6
     engine.close()

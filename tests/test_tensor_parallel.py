@@ -21,7 +21,7 @@ def test_tp2_serve_stores_demotes_loads_snapshots_restarts_and_restores(tiny_mod
     report = full_path(str(tiny_model), tmp_path, tp=2, progress=lambda m: None)
     assert report["shards"] == 2
     assert report["stored_blocks"] >= 5 and report["store_jobs_failed"] == 0
-    assert all(n >= report["stored_blocks"] for n in report["nvme_files_per_rank"])  # each rank its shard
+    assert all(n >= report["stored_blocks"] for n in report["nvme_blocks_per_rank"])  # each rank its shard
     assert report["loaded_tokens"] >= 5 * 128 and report["loaded_text_matches_plain"]
     assert report["snapshot_files"] == ["agent.kvsnap", "agent.kvsnap.rank1"]
     assert report["after_restart_blocks_nvme"] >= report["stored_blocks"]

@@ -26,6 +26,7 @@ vllm = pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from conftest import records_on_disk  # noqa: E402
 from kvtier.index import Tier  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size
@@ -239,12 +240,12 @@ def test_corrupt_block_on_disk_is_recomputed(tiny_model, tmp_path):
     run(llm, history)
     evict_first_session_to_nvme(llm)
     close(llm)
-    files = sorted(nvme.rglob("*.kvb"))
-    assert len(files) >= 5
-    victim = files[len(files) // 2]
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x5A
-    victim.write_bytes(bytes(data))
+    records = records_on_disk(nvme)
+    assert len(records) >= 5
+    victim, offset, size = records[len(records) // 2]  # a block in the middle of the session
+    with open(victim, "r+b") as f:
+        byte = os.pread(f.fileno(), 1, offset + size // 2)
+        os.pwrite(f.fileno(), bytes([byte[0] ^ 0x5A]), offset + size // 2)
     restarted = make_llm(str(tiny_model), nvme_dir=nvme)
     tiered = run(restarted, follow_up)
     assert list(tiered.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
@@ -252,7 +253,8 @@ def test_corrupt_block_on_disk_is_recomputed(tiny_model, tmp_path):
     # the load stopped at the bad block: the blocks before it came from NVMe, vLLM recomputed the rest
     assert counters["nvme_failed_reads"] >= 1
     assert counters["hit_nvme_blocks"] < (len(follow_up) - 1) // BLOCK
-    assert not victim.exists()
+    with open(victim, "rb") as f:  # the bad record is punched out of its segment
+        assert os.pread(f.fileno(), size, offset) == bytes(size)
     close(restarted)
 
 

@@ -92,10 +92,9 @@ def _restore(spec: str, payloads, sizes, directory: Path, raw: RawDirectIO, reps
     store = NvmeStore(root, capacity_bytes=n * (payloads.shape[1] + 2 * 4096) * 2, io_threads=8)
     fingerprint, namespace = b"f" * 16, b"n" * 16
     keys = [i.to_bytes(8, "little") for i in range(n)]
-    for future in [store.submit_write(namespace, k, payloads[i, : sizes[i]], fingerprint, spec)
-                   for i, k in enumerate(keys)]:
-        future.result()
-    store.sync_dirs()
+    outcomes = store.write_batch([(namespace, k, payloads[i, : sizes[i]], spec) for i, k in enumerate(keys)],
+                                 fingerprint)
+    assert all(isinstance(o, int) for o in outcomes), outcomes[:1]
     from kvtier.tiers.dram import aligned_empty
 
     per = (payloads.shape[1] + 8191) // 4096 * 4096

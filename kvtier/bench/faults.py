@@ -38,6 +38,7 @@ import shutil
 import signal
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -232,10 +233,11 @@ def _verify_after_restart(root: Path, acked_nvme: set[bytes], acked_snaps: set[s
                           out: dict) -> None:
     from kvtier.snapshot import open_snapshot, remove_stale_temp_files, verify_snapshot
 
-    world = World(root)  # a restart: scans the NVMe directory, deletes leftover temp files
+    world = World(root)  # a restart: replays the NVMe index (or rebuilds it), punches torn tails
     try:
-        if any((root / "nvme" / "tmp").glob("*")):
-            out["temp_files_left"] += 1
+        store = world.engine.nvme
+        out["unnamed_bytes_after_restart"] += store.unnamed_tail_bytes()
+        out["index_rebuilds"] += store.rebuilt_index
         visible = world.visible_nvme_keys()
         lost = acked_nvme - visible
         out["lost_acknowledged_blocks"] += len(lost)
@@ -275,6 +277,18 @@ def _verify_after_restart(root: Path, acked_nvme: set[bytes], acked_snaps: set[s
         world.close()
 
 
+def _unnamed_tail(nvme_dir: Path) -> int:
+    from kvtier.tiers.nvme import NvmeStore
+
+    if not nvme_dir.is_dir():
+        return 0
+    store = NvmeStore(nvme_dir, 1 << 40, io_threads=1, readonly=True)
+    try:
+        return store.unnamed_tail_bytes()
+    finally:
+        store.close()
+
+
 _ZYGOTE = """
 import os, signal, sys
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
@@ -306,7 +320,8 @@ def run_crash_trials(trials: int = 200, seed: int = 0, directory: Path | None = 
     rng = random.Random(seed)
     out = {k: 0 for k in ("crash_trials", "corrupt_loads", "lost_acknowledged_blocks", "lost_acknowledged_snapshots",
                           "bad_snapshots", "unreadable_blocks", "blocks_checked", "snapshots_checked",
-                          "temp_files_left", "live_wrong_loads", "snapshot_temp_files_cleaned")}
+                          "torn_tail_trials", "unnamed_bytes_after_restart", "index_rebuilds", "live_wrong_loads",
+                          "snapshot_temp_files_cleaned")}
     killed_during: dict[str, int] = {}
     acked_nvme: set[bytes] = set()
     acked_snaps: set[str] = set()
@@ -354,6 +369,11 @@ def run_crash_trials(trials: int = 200, seed: int = 0, directory: Path | None = 
                     elif word == "wrong":
                         out["live_wrong_loads"] += 1
                 killed_during[last_op] = killed_during.get(last_op, 0) + 1
+                out["torn_tail_trials"] += _unnamed_tail(root / "nvme") > 0  # a batch the kill cut short
+                if trial % 4 == 3:  # every fourth restart also finds its index gone: rebuilt from the segments
+                    from kvtier.tiers.journal import JOURNAL_NAME
+
+                    (root / "nvme" / JOURNAL_NAME).unlink(missing_ok=True)
                 snaps = sorted((root / "snapshots").glob("*.kvsnap"), key=lambda p: p.stat().st_mtime)
                 check = snaps[-3:] + rng.sample(snaps[:-3], min(2, len(snaps[:-3])))  # newest, and a few older
                 _verify_after_restart(root, acked_nvme, acked_snaps, check, out)
@@ -374,15 +394,86 @@ def run_crash_trials(trials: int = 200, seed: int = 0, directory: Path | None = 
 
 # ---- corruption ----------------------------------------------------------------------------------------------
 FAULTS = ("bitflip", "truncate", "zero_page", "swap")
+# a block record in a segment: the snapshot faults, plus a torn last write (the disk lost the end of
+# the newest record: its tail zeroed or the segment cut inside it) and a flipped bit in the index
+# entry naming the block
+BLOCK_FAULTS = (*FAULTS, "torn_tail", "index_bitflip")
 
 
-def _meaningful_ranges(path: Path, kind: str) -> list[tuple[int, int]]:
-    """Byte ranges of ``path`` that carry data (not alignment padding): a fault there must be caught."""
-    if kind == "block":
-        from kvtier.tiers.nvme import _HEADER, HEADER_BYTES
+@dataclass(frozen=True)
+class _Record:
+    """One block record in a copy of the tier: where it is, to damage it."""
 
-        nbytes = int(path.name.split(".")[-2])
-        return [(0, _HEADER.size + 8), (HEADER_BYTES, HEADER_BYTES + nbytes)]
+    key: bytes
+    path: Path
+    offset: int
+    nbytes: int
+
+    def moved_to(self, old_root: Path, new_root: Path) -> "_Record":
+        return _Record(self.key, new_root / self.path.relative_to(old_root), self.offset, self.nbytes)
+
+
+def _records(nvme_dir: Path) -> list[_Record]:
+    from kvtier.tiers.nvme import NvmeStore
+
+    store = NvmeStore(nvme_dir, 1 << 40, io_threads=1, readonly=True)
+    try:
+        found = [_Record(r.key, *store.locate(r.namespace, r.key)[:2], r.nbytes) for r in store.scan()]
+    finally:
+        store.close()
+    return sorted(found, key=lambda r: (r.path, r.offset))
+
+
+def _damage_record(record: _Record, fault: str, rng: random.Random, others: list[_Record]) -> str:
+    """Apply ``fault`` to one record (or to its index entry) so it changes meaningful bytes."""
+    from kvtier.tiers.dram import PAGE
+    from kvtier.tiers.records import _HEADER, HEADER_BYTES
+
+    start, end = record.offset, record.offset + HEADER_BYTES + record.nbytes
+    ranges = [(start, start + _HEADER.size + 8), (start + HEADER_BYTES, end)]
+    path = record.path
+    with open(path, "r+b") as f:
+        fd = f.fileno()
+        if fault == "bitflip":
+            lo, hi = rng.choice(ranges)
+            at = rng.randrange(lo, hi)
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ (1 << rng.randrange(8))]), at)
+            return f"bit flipped at {at}"
+        if fault == "truncate":
+            at = rng.randrange(start, end)
+            os.truncate(path, at)
+            return f"segment cut at {at}"
+        if fault == "zero_page":
+            lo, hi = rng.choice(ranges)
+            page = rng.randrange(lo // PAGE, (hi - 1) // PAGE + 1)
+            os.pwrite(fd, bytes(PAGE), page * PAGE)
+            return f"page {page} zeroed"
+        if fault == "swap":  # another block's record under this one's index entry
+            other = rng.choice([o for o in others if o.key != record.key and o.nbytes == record.nbytes])
+            with open(other.path, "rb") as g:
+                os.pwrite(fd, os.pread(g.fileno(), end - start, other.offset), start)
+            return f"replaced by the record at {other.offset}"
+        if fault == "torn_tail":
+            at = rng.randrange(start, end)
+            if rng.random() < 0.5:
+                os.truncate(path, at)
+                return f"last record cut at {at}"
+            os.pwrite(fd, bytes(end - at), at)
+            return f"last record zeroed from {at}"
+    from kvtier.tiers.journal import ENTRY_BYTES, JOURNAL_NAME
+
+    journal = path.parent.parent / JOURNAL_NAME  # index_bitflip: the entry naming this block
+    data = bytearray(journal.read_bytes())
+    at = data.index(record.key)
+    entry = 64 + (at - 64) // ENTRY_BYTES * ENTRY_BYTES
+    flip = rng.randrange(entry, entry + ENTRY_BYTES)
+    data[flip] ^= 1 << rng.randrange(8)
+    journal.write_bytes(bytes(data))
+    return f"index entry bit flipped at {flip}"
+
+
+def _meaningful_ranges(path: Path) -> list[tuple[int, int]]:
+    """Byte ranges of a snapshot that carry data (not alignment padding): a fault there must be caught."""
     from kvtier.snapshot import PREAMBLE_BYTES, _PREAMBLE, open_snapshot
 
     info = open_snapshot(path)
@@ -392,12 +483,12 @@ def _meaningful_ranges(path: Path, kind: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def _damage(path: Path, kind: str, fault: str, rng: random.Random, others: list[Path]) -> str:
-    """Apply ``fault`` to ``path`` so that it changes meaningful bytes; returns a description."""
+def _damage(path: Path, fault: str, rng: random.Random) -> str:
+    """Apply ``fault`` to a snapshot file so that it changes meaningful bytes; returns a description."""
     from kvtier.tiers.dram import PAGE
 
     data = bytearray(path.read_bytes())
-    ranges = _meaningful_ranges(path, kind)
+    ranges = _meaningful_ranges(path)
     if fault == "bitflip":
         lo, hi = rng.choice(ranges)
         offset = rng.randrange(lo, hi)
@@ -416,10 +507,6 @@ def _damage(path: Path, kind: str, fault: str, rng: random.Random, others: list[
                 break
         data[page * PAGE : (page + 1) * PAGE] = bytes(len(data[page * PAGE : (page + 1) * PAGE]))
         what = f"page {page} zeroed"
-    elif kind == "block":  # swap: another block's file under this one's name
-        other = rng.choice([o for o in others if o != path])
-        data = bytearray(other.read_bytes())
-        what = f"replaced by {other.name}"
     else:  # swap two blocks' payloads inside the snapshot (a whole snapshot under another name is
         # just that session's valid snapshot: content-addressed blocks restore correctly)
         from kvtier.snapshot import open_snapshot
@@ -455,7 +542,7 @@ def run_corruption_trials(trials: int = 1000, seed: int = 0, directory: Path | N
             world.engine.snapshot(f"p{s}", world.snapshots / f"p{s}.kvsnap")
             sessions.append(keys)
         world.close()
-        block_files = sorted((pristine / "nvme" / "blocks").rglob("*.kvb"))
+        block_records = _records(pristine / "nvme")
         snap_files = sorted(world.snapshots.glob("*.kvsnap"))
         work = Path(tmp) / "work"
         started = time.perf_counter()
@@ -463,18 +550,22 @@ def run_corruption_trials(trials: int = 1000, seed: int = 0, directory: Path | N
             shutil.rmtree(work, ignore_errors=True)
             shutil.copytree(pristine, work)
             kind = "block" if trial % 2 == 0 else "snapshot"
-            fault = FAULTS[(trial // 2) % len(FAULTS)]
-            files = [work / p.relative_to(pristine) for p in (block_files if kind == "block" else snap_files)]
-            target = rng.choice(files)
-            what = _damage(target, kind, fault, rng, files)
+            if kind == "block":
+                fault = BLOCK_FAULTS[(trial // 2) % len(BLOCK_FAULTS)]
+                records = [r.moved_to(pristine, work) for r in block_records]
+                record = records[-1] if fault == "torn_tail" else rng.choice(records)  # a tail is the newest
+                what = _damage_record(record, fault, rng, records)
+            else:
+                fault = FAULTS[(trial // 2) % len(FAULTS)]
+                target = rng.choice([work / p.relative_to(pristine) for p in snap_files])
+                what = _damage(target, fault, rng)
             if kind == "snapshot":  # the restore must read the snapshot: the tiers start empty
                 shutil.rmtree(work / "nvme")
             world = World(work)
             detail = ""
             try:
                 if kind == "block":
-                    key = bytes.fromhex(target.name.split(".")[0])
-                    keys = next(k for k in sessions if key in k)
+                    keys = next(k for k in sessions if record.key in k)
                     counters = world.engine.manager.counters
                     loaded, wrong = world.load_and_check(keys)
                     # a damaged file is dropped at start (wrong size) or at its first read (checksums)

@@ -16,6 +16,7 @@ conversation and turn. Greedy decoding; vLLM's own prefix cache is on in both se
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -149,20 +150,42 @@ class _Disk:
                        capture_output=True)
 
     def fill(self) -> None:
-        with open(self.view / "filler", "wb") as f:
-            chunk = b"\0" * (1 << 20)
-            try:
-                while True:
-                    f.write(chunk)
-                    f.flush()
-            except OSError:
-                pass
+        """Another process filling the disk, and keeping it full: it takes whatever space frees up
+        (kvtier's own drops included) until ``free``."""
+        self._filling = threading.Event()
+        self._filling.set()
+        self._fill_once()  # full before this returns
+        self._filler = threading.Thread(target=self._keep_full, daemon=True)
+        self._filler.start()
+
+    def _fill_once(self) -> None:
+        chunk = b"\1" * (64 << 10)
+        with contextlib.suppress(OSError), open(self.view / "filler", "ab") as f:
+            while True:
+                f.write(chunk)
+                f.flush()
+
+    def _keep_full(self) -> None:
+        while self._filling.is_set():
+            self._fill_once()
+            time.sleep(0.02)
 
     def free(self) -> None:
+        self._filling.clear()
+        self._filler.join(10)
         (self.view / "filler").unlink(missing_ok=True)
 
     def read_only(self, on: bool) -> None:
-        self._ns("mount", "-o", f"remount,{'ro' if on else 'rw'}", str(self.mount))
+        """Remount read-only (or back). A remount is refused (EBUSY) while a file on the disk is
+        open for writing, which kvtier does for the moment of each write: retry, as an operator would."""
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                return self._ns("mount", "-o", f"remount,{'ro' if on else 'rw'}", str(self.mount))
+            except subprocess.CalledProcessError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def wipe(self) -> None:
         shutil.rmtree(self.view / "nvme", ignore_errors=True)

@@ -77,7 +77,7 @@ def _captured_blocks(nvme_dir: Path, fingerprint, limit: int = 16):
     from kvtier.tiers.nvme import NvmeStore
 
     geometry = fingerprint.geometry
-    store = NvmeStore(nvme_dir, 1 << 40, io_threads=2)
+    store = NvmeStore(nvme_dir, 1 << 40, io_threads=2, readonly=True)
     dtype = getattr(torch, geometry.dtype)
     blocks = []
     buf = torch.empty(geometry.block_bytes + 4096, dtype=torch.uint8)

@@ -34,6 +34,17 @@ def _session(admin, session_id: str) -> dict | None:
     return next((s for s in admin.get("/v1/sessions")["sessions"] if s["session_id"] == session_id), None)
 
 
+def _blocks_in(shard: Path) -> int:
+    """Blocks one rank's NVMe directory holds (read-only: the server's worker owns it)."""
+    from kvtier.tiers.nvme import NvmeStore
+
+    store = NvmeStore(shard, 1 << 40, io_threads=1, readonly=True)
+    try:
+        return store.num_blocks
+    finally:
+        store.close()
+
+
 def _forget_hbm(server: Served) -> None:
     urllib.request.urlopen(urllib.request.Request(server.url + "/reset_prefix_cache", method="POST"), timeout=60)
 
@@ -69,7 +80,7 @@ def full_path(model: str, base: Path, tp: int = 2, tokens: int = 700, progress: 
         report["stored_blocks"] = stored["blocks_dram"] if stored else 0
         admin.wait(admin.post(admin.session_path("agent", "evict"), {"to": "nvme"}))
         dirs = [nvme] if tp == 1 else [nvme / f"tp{tp}-rank{r}" for r in range(tp)]
-        report["nvme_files_per_rank"] = [len(list((d / "blocks").glob("*/*/*.kvb"))) for d in dirs]
+        report["nvme_blocks_per_rank"] = [_blocks_in(d) for d in dirs]
         _forget_hbm(server)
         loaded = server.turn("agent", second)
         report["loaded_tokens"] = loaded["loaded"]
@@ -102,7 +113,7 @@ def full_path(model: str, base: Path, tp: int = 2, tokens: int = 700, progress: 
         server.stop()
     blocks = report["stored_blocks"]
     report["ok"] = bool(
-        blocks > 0 and all(n >= blocks for n in report["nvme_files_per_rank"]) and report["store_jobs_failed"] == 0
+        blocks > 0 and all(n >= blocks for n in report["nvme_blocks_per_rank"]) and report["store_jobs_failed"] == 0
         and report["loaded_tokens"] > 0 and report["loaded_text_matches_plain"] and report["snapshot_ok"]
         and len(report["snapshot_files"]) == tp and report["after_restart_blocks_nvme"] >= blocks
         and report["after_restart_loaded_tokens"] > 0 and report["after_restart_text_matches_plain"]

@@ -36,12 +36,15 @@ from kvtier.layout import ModelFingerprint, adapter_for
 from kvtier.mover import Mover
 from kvtier.codecs import get_codec, resolve_codec
 from kvtier.tiers.dram import DramArena, SlotAllocator
-from kvtier.tiers.nvme import NvmeStore, file_bytes_for, shard_dir
+from kvtier.tiers.nvme import NvmeStore, shard_dir
 from kvtier.plugins.vllm.geometry import layout_name, shard_budgets
 
 __all__ = ["KVTierWorker"]
 
 QUIET_S = 0.2  # no forward pass for this long: the engine is idle, write-behind may use the disk
+IDLE_BATCH_BYTES = 32 << 20  # write-behind group commit when the engine is idle
+BUSY_BATCH_BYTES = 4 << 20  # ... and beside forward passes (at least one block)
+COMPACT_BYTES = 32 << 20  # records moved per idle tick where segments need compacting
 IDLE_WAIT_S = 0.01  # a step without a forward waits this long at most for a transfer to finish
 
 log = logging.getLogger("kvtier.connector")
@@ -88,8 +91,8 @@ class KVTierWorker:
         nvme_dir = self.extra.get("nvme_dir")
         if nvme_dir and nvme_bytes:
             self.nvme = NvmeStore(shard_dir(nvme_dir, self.rank, self.shards), nvme_bytes,
-                                  int(self.extra.get("io_threads", 8)), str(self.extra.get("direct_io", "auto")))
-            self.nvme.scan()
+                                  int(self.extra.get("io_threads", 8)), str(self.extra.get("direct_io", "auto")),
+                                  rank=self.rank)
         adapter = adapter_for(layout_name(layers[0]), geometry)
         self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers, rank=self.rank, shards=self.shards)
         log.info("kvtier worker rank %d/%d: %d KV layers (%s layout), DRAM arena %d MiB%s", self.rank, self.shards,
@@ -109,7 +112,7 @@ class KVTierWorker:
         assert store is not None and self.mover is not None
 
         def room(nbytes: int) -> bool:  # stay under the NVMe watermark: demotion owns the rest
-            return store.used_bytes + file_bytes_for(nbytes) <= high * store.capacity_bytes
+            return store.used_bytes + nbytes <= high * store.capacity_bytes
 
         try:  # the cores are the forward pass's: this thread runs in what it leaves (Linux: per-thread nice)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -133,9 +136,13 @@ class KVTierWorker:
                     # (the scheduler half ends it only past its own back-off, at most 30 s)
                     recovering = self.mover.disk_failing or time.monotonic() - self.mover.disk_failed_at < 35
                     if not due and not recovering:
+                        if idle and not self.mover.disk_failing:  # the disk is free: tidy the segments
+                            store.compact(COMPACT_BYTES)
                         break
                     if due:
-                        written, error = self.mover.write_behind(age, 32 if idle else 4, cold, room)
+                        # one group commit per call: large when idle, small beside a forward pass
+                        written, error = self.mover.write_behind(age, 4096, cold, room,
+                                                                 IDLE_BATCH_BYTES if idle else BUSY_BATCH_BYTES)
                     else:
                         written, error = [], store.probe()
                         self.mover.disk_failing = error is not None
