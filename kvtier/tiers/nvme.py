@@ -32,7 +32,6 @@ wins), never silently emptied. The old layout's block files are served as they a
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import errno
 import fcntl
@@ -51,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 from kvtier.errors import CapacityError, CorruptBlockError, StorageError, StorageFullError
 from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.journal import Extent, Journal
+from kvtier.tiers.recovery import find_holes, in_hole, legacy_block_files, read_record, rebuild_index
 from kvtier.tiers.records import (HEADER_BYTES, StorageViews, allocate, checksum, file_bytes_for, fsync_dir,
                                   pack_header, probe_direct_io, punch_hole, unpack_header)
 
@@ -243,7 +243,8 @@ class NvmeStore:
                         len(files))
             if not self.readonly:
                 self._journal.move_aside(why)
-            live = self._rebuild(files)
+            live, damaged = rebuild_index(files, self.rank)
+            self.removed_at_scan += damaged
             self.rebuilt_index = True
             if not self.readonly:
                 self._journal.rewrite(live)
@@ -255,11 +256,11 @@ class NvmeStore:
         for seg_id, path in files.items():
             with contextlib.suppress(OSError):
                 sizes[seg_id] = path.stat().st_size
-        holes = {seg_id: _holes(path, sizes[seg_id]) for seg_id, path in files.items() if seg_id in sizes}
+        holes = {seg_id: find_holes(path, sizes[seg_id]) for seg_id, path in files.items() if seg_id in sizes}
         dropped = [name for name, ext in live.items()
                    if ext.segment not in sizes or ext.offset % PAGE
                    or ext.offset + file_bytes_for(ext.nbytes) > sizes[ext.segment]
-                   or _in_hole(holes[ext.segment], ext.offset, file_bytes_for(ext.nbytes))]
+                   or in_hole(holes[ext.segment], ext.offset, file_bytes_for(ext.nbytes))]
         for name in dropped:  # the disk lost these (a truncated or deleted segment)
             del live[name]
         if dropped:
@@ -312,56 +313,15 @@ class NvmeStore:
             with contextlib.suppress(OSError):
                 old.rmdir()
 
-    def _rebuild(self, files: dict[int, Path]) -> dict[Name, Extent]:
-        """Every verified record of every segment, the newest copy (highest segment, then offset) of
-        each key winning. Torn or damaged records are skipped and counted."""
-        live: dict[Name, Extent] = {}
-        header = bytearray(HEADER_BYTES)
-        for seg_id in sorted(files):
-            try:
-                fd = os.open(files[seg_id], os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                size, offset = os.fstat(fd).st_size, 0
-                while offset + HEADER_BYTES <= size:
-                    got = os.preadv(fd, [header], offset)
-                    fields = unpack_header(header) if got == HEADER_BYTES else None
-                    if fields is None:  # a hole, zeros or torn bytes: on to the next data
-                        offset = _next_data(fd, offset + PAGE, size)
-                        continue
-                    length = file_bytes_for(fields.nbytes)
-                    payload = os.pread(fd, fields.nbytes, offset + HEADER_BYTES) if offset + length <= size else b""
-                    if len(payload) != fields.nbytes or checksum(payload) != fields.digest \
-                            or (fields.rank is not None and fields.rank != self.rank):
-                        self.removed_at_scan += 1
-                        offset += PAGE
-                        continue
-                    live[(fields.namespace, fields.key)] = Extent(seg_id, offset, fields.nbytes, fields.codec)
-                    offset += length
-            finally:
-                os.close(fd)
-        return live
-
     def _adopt_legacy(self) -> None:
-        """Serve the old layout's block files (``blocks/<ns>/<hh>/<key>.<nbytes>.kvb``) as they are:
-        each is a one-record segment with a negative id."""
-        if not self._legacy_dir.is_dir():
-            return
+        """Serve the old layout's block files as they are: each is a one-record segment with a
+        negative id. Truncated ones, and ones a segment record supersedes, are removed."""
         legacy_id = 0
-        for path in self._legacy_dir.glob("*/*/*.kvb"):
-            try:
-                namespace = bytes.fromhex(path.parent.parent.name)
-                hexkey, nbytes_text = path.name[: -len(".kvb")].split(".")
-                key, nbytes = bytes.fromhex(hexkey), int(nbytes_text)
-                size = path.stat().st_size
-            except (ValueError, OSError):
-                log.warning("NVMe tier: ignoring unexpected file %s", path)
-                continue
-            if size != file_bytes_for(nbytes) or len(namespace) != 16 or (namespace, key) in self._loc:
-                if not self.readonly:  # truncated, or superseded by a segment record
+        for namespace, key, nbytes, path, size in legacy_block_files(self._legacy_dir):
+            if size != file_bytes_for(nbytes) or (namespace, key) in self._loc:
+                if not self.readonly:
                     path.unlink(missing_ok=True)
-                self.removed_at_scan += size != file_bytes_for(nbytes) or len(namespace) != 16
+                self.removed_at_scan += size != file_bytes_for(nbytes)
                 continue
             legacy_id -= 1
             self._segments[legacy_id] = _Segment(legacy_id, path, end=size, live=size, legacy=True)
@@ -417,7 +377,7 @@ class NvmeStore:
         total = 0
         for path, start, end in tails:
             if end > start:
-                punched = sum(min(b, end) - max(a, start) for a, b in _holes(path, end) if b > start and a < end)
+                punched = sum(min(b, end) - max(a, start) for a, b in find_holes(path, end) if b > start and a < end)
                 total += end - start - punched
         return total
 
@@ -787,7 +747,7 @@ class NvmeStore:
             if self.direct and len(item.data) >= padded:
                 item.window = views.window(item.buffer, padded)
         items.sort(key=lambda item: (item.extent.segment, item.extent.offset))
-        ios = list(_runs(items, read=True))
+        ios = list(_runs(items))
         for io, result in zip(ios, self._run(lambda io: self._read_io(io, fingerprint), ios)):
             for item, outcome in zip(io, result if isinstance(result, list) else [result] * len(io)):
                 outcomes[item.index] = self._error(outcome, "reading a block") \
@@ -893,7 +853,7 @@ class NvmeStore:
             if segment is None:
                 continue
             try:
-                raw = _read_record(segment.path, ext, self.rank)
+                raw = read_record(segment.path, ext.offset, ext.nbytes, self.rank)
             except CorruptBlockError:
                 self.delete_many([(namespace, key)])
                 continue
@@ -1034,30 +994,21 @@ def _nbytes(payload: Any) -> int:
 
 def _chunks(items: list[_Item]) -> Iterator[list[_Item]]:
     """Consecutive items, about one IO's worth each (IO_BYTES / MAX_RECORDS_PER_IO)."""
-    chunk: list[_Item] = []
-    size = 0
-    for item in items:
-        length = file_bytes_for(item.extent.nbytes)
-        if chunk and (size + length > IO_BYTES or len(chunk) >= MAX_RECORDS_PER_IO):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(item)
-        size += length
-    if chunk:
-        yield chunk
+    return _runs(items, adjacent_only=False)
 
 
-def _runs(items: list[_Item], read: bool = False) -> Iterator[list[_Item]]:
-    """Items cut into IOs: adjacent records of one segment, up to IO_BYTES / MAX_RECORDS_PER_IO."""
+def _runs(items: list[_Item], adjacent_only: bool = True) -> Iterator[list[_Item]]:
+    """Items cut into IOs of up to IO_BYTES / MAX_RECORDS_PER_IO: adjacent records of one segment
+    (``adjacent_only``), or simply consecutive items."""
     run: list[_Item] = []
     size = 0
     for item in items:
         length = file_bytes_for(item.extent.nbytes)
         if run:
             last = run[-1].extent
-            adjacent = last.segment == item.extent.segment and last.offset + file_bytes_for(last.nbytes) == \
-                item.extent.offset
-            if not adjacent or size + length > IO_BYTES or len(run) >= MAX_RECORDS_PER_IO:
+            apart = adjacent_only and (last.segment != item.extent.segment
+                                       or last.offset + file_bytes_for(last.nbytes) != item.extent.offset)
+            if apart or size + length > IO_BYTES or len(run) >= MAX_RECORDS_PER_IO:
                 yield run
                 run, size = [], 0
         run.append(item)
@@ -1075,62 +1026,3 @@ def _coalesced(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append([offset, length])
     return [(offset, length) for offset, length in merged]
-
-
-def _read_record(path: Path, ext: Extent, rank: int) -> bytes:
-    """One whole record (header and padded payload), verified."""
-    length = file_bytes_for(ext.nbytes)
-    try:
-        with open(path, "rb", buffering=0) as f:
-            raw = os.pread(f.fileno(), length, ext.offset)
-    except OSError as exc:
-        raise CorruptBlockError(f"NVMe tier: cannot read {path}: {exc}", path=str(path)) from None
-    fields = unpack_header(raw) if len(raw) == length else None
-    if fields is None or fields.nbytes != ext.nbytes or checksum(raw[HEADER_BYTES : HEADER_BYTES + ext.nbytes]) \
-            != fields.digest or (fields.rank is not None and fields.rank != rank):
-        raise CorruptBlockError(f"NVMe tier: {path}@{ext.offset} is damaged", path=str(path))
-    return raw
-
-
-def _holes(path: Path, size: int) -> list[tuple[int, int]]:
-    """The punched-out (or never written) ranges of a file, as (start, end), in order."""
-    holes: list[tuple[int, int]] = []
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return holes
-    try:
-        offset = 0
-        while offset < size:
-            try:
-                hole = os.lseek(fd, offset, os.SEEK_HOLE)
-            except OSError:
-                break  # the filesystem cannot say: no holes known
-            if hole >= size:
-                break
-            data = _next_data(fd, hole, size)
-            if data <= hole:
-                break
-            holes.append((hole, data))
-            offset = data
-    finally:
-        os.close(fd)
-    return holes
-
-
-def _in_hole(holes: list[tuple[int, int]], offset: int, length: int) -> bool:
-    """Whether any page of [offset, offset + length) lies in one of ``holes`` (sorted, disjoint)."""
-    k = bisect.bisect_left(holes, (offset + length, -1)) - 1  # the last hole starting inside or before
-    return k >= 0 and holes[k][1] > offset
-
-
-def _next_data(fd: int, offset: int, size: int) -> int:
-    """The next offset at or after ``offset`` that holds data (skipping punched holes), page aligned."""
-    if offset >= size:
-        return size
-    try:
-        found = os.lseek(fd, offset, os.SEEK_DATA)
-    except OSError as exc:  # ENXIO: no data after it; otherwise the filesystem cannot say
-        return size if exc.errno == errno.ENXIO else offset
-    return max(offset, found - found % PAGE)
-
