@@ -386,7 +386,11 @@ def vllm_cpu_env(user: Mapping[str, str], vllm_args: Sequence[str], connector: b
     not made it): the CPU target, a 4 GiB KV cache, and the cores each rank's OpenMP threads use."""
     env = dict(user)
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # vLLM lets this variable beat its own --kv-cache-memory-bytes: a user who passes that flag
+    # after `--` gets it, never kvtier's default
+    sized_by_flag = any(arg.split("=", 1)[0] == "--kv-cache-memory-bytes" for arg in vllm_args)
+    if not sized_by_flag:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     tp = tensor_parallel_size(vllm_args)
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in user:
         # one rank per group of cores, bound by hand (vLLM's automatic binding wants one NUMA node
@@ -396,7 +400,7 @@ def vllm_cpu_env(user: Mapping[str, str], vllm_args: Sequence[str], connector: b
         groups = [cores[i * per:(i + 1) * per] or cores[-1:] for i in range(tp)]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, group)) for group in groups)
         for name, value in (("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
-            if name not in user:
+            if name not in user and not (name == "VLLM_CPU_KVCACHE_SPACE" and sized_by_flag):
                 env[name] = value
     if connector:
         # vLLM's CPU backend reserves one more core whenever a KV connector is configured (for

@@ -119,3 +119,19 @@ def test_bench_parts_produce_every_figure(tmp_path):
         assert results[key] > 0, key
     assert 50 < results["index_bytes_per_block"] < 2000
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
+
+
+@pytest.mark.parametrize("argv", [["-h"], ["sessions", "-h"], ["bench", "tiers", "-h"], ["serve", "-h"],
+                                  ["config", "show", "-h"]])
+def test_dash_h_is_help_everywhere(argv):
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    assert "Usage: kvtier" in result.stdout
+
+
+def test_root_help_lists_the_exit_codes_and_shell_completion():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.stdout.split())
+    assert "Exit codes: 0 ok, 1 failure, 2 bad usage or input, 3 no kvtier server reachable, 4 not found" in text
+    assert "--install-completion" in text and "--show-completion" in text

@@ -262,3 +262,14 @@ def test_cpu_tensor_parallel_ranks_get_their_own_cores():
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     mine = vllm_cpu_env({"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3", "VLLM_CPU_KVCACHE_SPACE": "8"}, ["-tp", "2"])
     assert mine["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3" and mine["VLLM_CPU_KVCACHE_SPACE"] == "8"  # the user's win
+
+
+@pytest.mark.parametrize("args", [["--kv-cache-memory-bytes", "2147483648"], ["--kv-cache-memory-bytes=2G"],
+                                  ["-tp", "2", "--kv-cache-memory-bytes", "1G"]])
+def test_a_kv_cache_size_passed_to_vllm_is_not_overridden_by_kvtier_defaults(args):
+    """vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE beat --kv-cache-memory-bytes: kvtier must not
+    set the variable when the user sized the cache with the flag."""
+    from kvtier.serve import vllm_cpu_env
+
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_cpu_env({}, args)
+    assert vllm_cpu_env({}, [])["VLLM_CPU_KVCACHE_SPACE"] == "4"  # the default when nothing sizes it

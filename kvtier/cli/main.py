@@ -17,8 +17,10 @@ __all__ = ["app", "main"]
 app = typer.Typer(
     name="kvtier",
     help="Tiered KV cache for vLLM: GPU HBM, host DRAM and NVMe, with per-session control.",
+    epilog="Exit codes: 0 ok, 1 failure, 2 bad usage or input, 3 no kvtier server reachable, 4 not found.",
     no_args_is_help=True,
-    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every subcommand inherits it
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain click help: `kvtier --help` must not load rich's markdown stack
 )
