@@ -112,10 +112,38 @@ def model_id_for(model_path: str, extra_args: Sequence[str] = ()) -> str:
 
 
 def admin_socket_path(env: Mapping[str, str] | None = None) -> str:
-    """``$XDG_RUNTIME_DIR/kvtier.sock``, else ``/tmp/kvtier-$UID/kvtier.sock``."""
+    """``$KVTIER_ADMIN_SOCKET``, else ``$XDG_RUNTIME_DIR/kvtier.sock``, else
+    ``/tmp/kvtier-$UID/kvtier.sock``: the same rule for ``kvtier serve`` and its clients."""
     env = os.environ if env is None else env
+    if env.get("KVTIER_ADMIN_SOCKET"):
+        return str(env["KVTIER_ADMIN_SOCKET"])
     base = env.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
     return os.path.join(base, "kvtier.sock")
+
+
+def check_admin_socket(path: str) -> None:
+    """Refuse, before vLLM loads a model for minutes, an admin socket another live kvtier server
+    answers on (a stale one, left by a killed server, is replaced at start)."""
+    import socket
+    import stat
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise UsageError(f"admin socket path {path} exists and is not a socket",
+                         hint="move it away, or pass --admin-socket another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # stale
+    finally:
+        probe.close()
+    raise UsageError(f"another kvtier server is listening on the admin socket {path}",
+                     hint="stop it, or give this server its own --admin-socket PATH (and --port)")
 
 
 def api_url(host: str, port: int) -> str:
@@ -134,6 +162,7 @@ def preflight(
     create_dirs: bool = True,
     extra_args: Sequence[str] = (),
     kv_cache_dtype: str | None = None,
+    admin_socket: str | None = None,
 ) -> list[str]:
     """Refuse (UsageError / ConfigError, each with a hint) what would make vLLM fail later.
 
@@ -148,6 +177,8 @@ def preflight(
     _check_dram(settings)
     if port is not None:
         _check_port(host, port)
+    if admin_socket is not None:
+        check_admin_socket(admin_socket)
     return warnings
 
 
@@ -353,6 +384,7 @@ def vllm_command(
     *,
     base_env: Mapping[str, str] | None = None,
     cpu: bool | None = None,
+    admin_socket: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """argv and environment for vLLM's OpenAI server with kvtier's connector.
 
@@ -365,7 +397,7 @@ def vllm_command(
             raise UsageError(f"{flag} is set by kvtier serve; do not pass it after `--`",
                              hint=f"use kvtier's own {_OWNED_FLAGS[flag]} instead")
     config = build_kv_transfer_config(settings, model_id_for(model_path, extra), api_url(host, port),
-                                      admin_socket_path(base_env))
+                                      admin_socket or admin_socket_path(base_env))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_path), "--host", host, "--port", str(port),
            "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]

@@ -407,3 +407,36 @@ def test_run_server_returns_the_status_of_a_server_that_dies():
 def test_bad_write_behind_and_stop_timeout_are_refused(env, model_dir):
     assert_refused(serve(env, model_dir, "--write-behind", "soon", "--dry-run"), "write_behind", "off")
     assert_refused(serve(env, model_dir, "--stop-timeout", "-5", "--dry-run"), "stop_timeout", "stop_timeout = 60")
+
+
+def test_the_admin_socket_follows_the_flag_or_kvtier_admin_socket(env, model_dir, tmp_path):
+    from kvtier.serve import admin_socket_path
+
+    assert admin_socket_path({"KVTIER_ADMIN_SOCKET": "/run/a/kvtier.sock", "XDG_RUNTIME_DIR": "/r"}) == \
+        "/run/a/kvtier.sock"
+    assert admin_socket_path({"XDG_RUNTIME_DIR": "/r"}) == "/r/kvtier.sock"
+    mine = tmp_path / "one.sock"
+    cmd, _prefix, result = dry_run(env, model_dir, "--admin-socket", mine)
+    config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"]["admin_socket"] == str(mine) and str(mine) in result.stdout
+    cmd, _prefix, _result = dry_run({**env, "KVTIER_ADMIN_SOCKET": str(tmp_path / "env.sock")}, model_dir)
+    assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["admin_socket"] == \
+        str(tmp_path / "env.sock")
+
+
+def test_an_admin_socket_a_live_server_answers_on_is_refused_before_vllm_starts(env, model_dir, tmp_path):
+    path = tmp_path / "live.sock"
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(path))
+    live.listen(1)
+    try:
+        started = time.perf_counter()
+        assert_refused(serve(env, model_dir, "--port", free_port(), "--dry-run", "--admin-socket", path),
+                       "listening on the admin socket", "--admin-socket")
+        assert time.perf_counter() - started < 3
+    finally:
+        live.close()
+    dry_run(env, model_dir, "--admin-socket", path)  # stale now (its server is gone): accepted
+    (tmp_path / "plain").write_text("x")
+    assert_refused(serve(env, model_dir, "--port", free_port(), "--dry-run", "--admin-socket", tmp_path / "plain"),
+                   "not a socket")

@@ -89,6 +89,9 @@ def serve(
     stop_timeout: Optional[float] = typer.Option(
         None, "--stop-timeout", help="Seconds the flush on Ctrl-C/SIGTERM may take before vLLM stops (default 60)."),
     demo_size: str = typer.Option("tiny", "--demo-size", help="Demo model size when no MODEL: tiny or mid."),
+    admin_socket: Optional[str] = typer.Option(
+        None, "--admin-socket", help="Admin API socket (default $KVTIER_ADMIN_SOCKET, else $XDG_RUNTIME_DIR/kvtier.sock); "
+                                     "one per server when several run on a box."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check, print the vLLM command, start nothing."),
 ) -> None:
     """Run vLLM's OpenAI server with kvtier's tiered KV cache. vLLM flags go after `--`.
@@ -111,8 +114,9 @@ def serve(
                                               "warm_codec": warm_codec, "cold_codec": cold_codec,
                                               "link_gbps": link_gbps, "write_behind": write_behind,
                                               "stop_timeout": stop_timeout})
+    sock = os.path.abspath(os.path.expanduser(admin_socket)) if admin_socket else srv.admin_socket_path()
     for warning in srv.preflight(settings, model, host=host, port=port, create_dirs=not dry_run, extra_args=extra,
-                                 kv_cache_dtype=kv_cache_dtype):
+                                 kv_cache_dtype=kv_cache_dtype, admin_socket=sock):
         typer.echo(f"warning: {warning}", err=True)
 
     if model is None:
@@ -127,7 +131,7 @@ def serve(
             model_path = str(ensure_demo_model(demo_size, progress=lambda msg: typer.echo(f"… {msg}", err=True)))
     else:
         model_path = model
-    cmd, env = srv.vllm_command(model_path, settings, host, port, kv_cache_dtype, extra)
+    cmd, env = srv.vllm_command(model_path, settings, host, port, kv_cache_dtype, extra, admin_socket=sock)
     url = srv.api_url(host, port)
 
     if dry_run:
@@ -138,13 +142,13 @@ def serve(
                    + (" " if added else "") + shlex.join(cmd))
         typer.echo("kv-transfer-config:")
         typer.echo(json.dumps(json.loads(cmd[cmd.index("--kv-transfer-config") + 1]), indent=2))
-        typer.echo(f"API would be at {url}")
+        typer.echo(f"API would be at {url}, admin socket {sock}")
         return
     def say(msg: str) -> None:
         typer.echo(f"kvtier: {msg}")
 
-    code = srv.run_server(cmd, env, url, srv.admin_socket_path(), say=say,
-                          before_stop=lambda: srv.flush_before_stop(srv.admin_socket_path(), settings.stop_timeout, say),
+    code = srv.run_server(cmd, env, url, sock, say=say,
+                          before_stop=lambda: srv.flush_before_stop(sock, settings.stop_timeout, say),
                           stop_timeout_s=settings.stop_timeout)
     raise typer.Exit(code)
 
