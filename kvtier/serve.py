@@ -69,9 +69,12 @@ Say = Callable[[str], None]
 
 # ---- connector config ------------------------------------------------------------------------
 def build_kv_transfer_config(settings: Settings, model_id: str, api_url: str | None = None,
-                             admin_socket: str | None = None) -> dict:
-    """The ``--kv-transfer-config`` object: which connector to load and the settings it reads."""
+                             admin_socket: str | None = None, admin_tcp: str | None = None) -> dict:
+    """The ``--kv-transfer-config`` object: which connector to load and the settings it reads (no
+    secret: it is on vLLM's command line)."""
     admin = {"admin_socket": admin_socket, "snapshot_dir": str(settings.snapshot_dir)} if admin_socket else {}
+    if admin_tcp:
+        admin["admin_tcp"] = admin_tcp
     if api_url:
         admin["api_url"] = api_url
     return {
@@ -119,6 +122,35 @@ def admin_socket_path(env: Mapping[str, str] | None = None) -> str:
         return str(env["KVTIER_ADMIN_SOCKET"])
     base = env.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
     return os.path.join(base, "kvtier.sock")
+
+
+ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
+
+
+def admin_token(token_file: str | None, env: Mapping[str, str] | None = None) -> str:
+    """The admin TCP listener's bearer token: from a file only its owner can read (``--admin-token-file``)
+    or from ``$KVTIER_ADMIN_TOKEN``; never from a command line, where ``ps`` shows it to every user.
+    It reaches the engine through vLLM's environment."""
+    env = os.environ if env is None else env
+    if token_file:
+        path = Path(token_file).expanduser()
+        try:
+            info = path.stat()
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"cannot read the admin token file {path}: {exc.strerror or exc}",
+                             hint="create it with a long random string, e.g. `openssl rand -hex 32 > FILE; "
+                                  "chmod 600 FILE`") from None
+        if info.st_mode & 0o077 or info.st_uid != os.getuid():
+            raise UsageError(f"the admin token file {path} can be read by other users",
+                             hint=f"chmod 600 {path} (and own it)")
+    else:
+        token = str(env.get(ADMIN_TOKEN_ENV, "")).strip()
+    if len(token) < 16:
+        raise UsageError("--admin-tcp needs a bearer token of at least 16 characters",
+                         hint=f"set {ADMIN_TOKEN_ENV} or pass --admin-token-file FILE (mode 600); "
+                              "`openssl rand -hex 32` makes one")
+    return token
 
 
 def check_admin_socket(path: str) -> None:
@@ -385,6 +417,8 @@ def vllm_command(
     base_env: Mapping[str, str] | None = None,
     cpu: bool | None = None,
     admin_socket: str | None = None,
+    admin_tcp: str | None = None,
+    token: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """argv and environment for vLLM's OpenAI server with kvtier's connector.
 
@@ -397,7 +431,7 @@ def vllm_command(
             raise UsageError(f"{flag} is set by kvtier serve; do not pass it after `--`",
                              hint=f"use kvtier's own {_OWNED_FLAGS[flag]} instead")
     config = build_kv_transfer_config(settings, model_id_for(model_path, extra), api_url(host, port),
-                                      admin_socket or admin_socket_path(base_env))
+                                      admin_socket or admin_socket_path(base_env), admin_tcp)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_path), "--host", host, "--port", str(port),
            "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
@@ -408,6 +442,8 @@ def vllm_command(
         cmd += ["--served-model-name", config["kv_connector_extra_config"]["model_id"]]
     cmd += extra
     env = dict(os.environ if base_env is None else base_env)
+    if token:
+        env[ADMIN_TOKEN_ENV] = token  # the engine's environment, not its argv
     if is_cpu_only() if cpu is None else cpu:
         env = vllm_cpu_env(env, extra)
     return cmd, env

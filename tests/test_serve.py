@@ -440,3 +440,42 @@ def test_an_admin_socket_a_live_server_answers_on_is_refused_before_vllm_starts(
     (tmp_path / "plain").write_text("x")
     assert_refused(serve(env, model_dir, "--port", free_port(), "--dry-run", "--admin-socket", tmp_path / "plain"),
                    "not a socket")
+
+
+def test_the_admin_token_never_reaches_the_command_line(env, model_dir, tmp_path):
+    """`ps -ef` shows vLLM's argv to every local user: the TCP admin token travels in its environment."""
+    secret = "s3cret-" + uuid.uuid4().hex
+    cmd, prefix, result = dry_run({**env, "KVTIER_ADMIN_TOKEN": secret}, model_dir, "--admin-tcp", "127.0.0.1:8100")
+    assert secret not in result.stdout + result.stderr and secret not in " ".join(cmd)
+    assert connector_config(cmd)["kv_connector_extra_config"]["admin_tcp"] == "127.0.0.1:8100"
+    assert "admin_token" not in connector_config(cmd)["kv_connector_extra_config"]
+    from kvtier.config import load_settings
+    from kvtier.serve import vllm_command
+
+    settings, _ = load_settings(env={k: v for k, v in env.items() if k.startswith("KVTIER_")})
+    _cmd, child_env = vllm_command(str(model_dir), settings, "127.0.0.1", 8000, None, [], base_env={},
+                                   admin_tcp="127.0.0.1:8100", token=secret)
+    assert child_env["KVTIER_ADMIN_TOKEN"] == secret and secret not in " ".join(_cmd)
+
+
+def test_the_admin_token_file_must_be_private(env, model_dir, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("0123456789abcdef0123456789abcdef\n")
+    token_file.chmod(0o644)
+    args = ["--port", free_port(), "--dry-run", "--admin-tcp", "127.0.0.1:8100", "--admin-token-file", token_file]
+    assert_refused(serve(env, model_dir, *args), "other users", "chmod 600")
+    token_file.chmod(0o600)
+    assert serve(env, model_dir, *args).exit_code == 0
+    assert_refused(serve(env, model_dir, "--port", free_port(), "--dry-run", "--admin-tcp", "127.0.0.1:8100"),
+                   "bearer token")  # no token anywhere
+    assert_refused(serve({**env, "KVTIER_ADMIN_TOKEN": "x" * 32}, model_dir, "--port", free_port(), "--dry-run",
+                         "--admin-tcp", "0.0.0.0:8100"), "loopback")
+
+
+def test_the_engine_takes_the_admin_token_from_its_environment():
+    pytest.importorskip("vllm")
+    from kvtier.plugins.vllm.scheduler import admin_token_of
+
+    assert admin_token_of({"admin_tcp": "127.0.0.1:1"}, {"KVTIER_ADMIN_TOKEN": "from-env"}) == "from-env"
+    assert admin_token_of({"admin_token": "legacy"}, {}) == "legacy"
+    assert admin_token_of({}, {}) is None

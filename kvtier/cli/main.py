@@ -89,6 +89,11 @@ def serve(
     stop_timeout: Optional[float] = typer.Option(
         None, "--stop-timeout", help="Seconds the flush on Ctrl-C/SIGTERM may take before vLLM stops (default 60)."),
     demo_size: str = typer.Option("tiny", "--demo-size", help="Demo model size when no MODEL: tiny or mid."),
+    admin_tcp: Optional[str] = typer.Option(
+        None, "--admin-tcp", help="Also serve the admin API on loopback TCP, e.g. 127.0.0.1:8100; its bearer token "
+                                  "comes from $KVTIER_ADMIN_TOKEN or --admin-token-file, never the command line."),
+    admin_token_file: Optional[str] = typer.Option(
+        None, "--admin-token-file", help="File (mode 600) holding the admin TCP bearer token."),
     admin_socket: Optional[str] = typer.Option(
         None, "--admin-socket", help="Admin API socket (default $KVTIER_ADMIN_SOCKET, else $XDG_RUNTIME_DIR/kvtier.sock); "
                                      "one per server when several run on a box."),
@@ -115,6 +120,15 @@ def serve(
                                               "link_gbps": link_gbps, "write_behind": write_behind,
                                               "stop_timeout": stop_timeout})
     sock = os.path.abspath(os.path.expanduser(admin_socket)) if admin_socket else srv.admin_socket_path()
+    token = None
+    if admin_tcp:
+        host_part, _, port_part = admin_tcp.rpartition(":")
+        if host_part not in ("127.0.0.1", "::1", "[::1]", "localhost") or not port_part.isdigit():
+            raise UsageError(f"--admin-tcp {admin_tcp!r} is not a loopback HOST:PORT",
+                             hint="e.g. --admin-tcp 127.0.0.1:8100 (the admin API never listens beyond this box)")
+        token = srv.admin_token(admin_token_file)
+    elif admin_token_file:
+        raise UsageError("--admin-token-file needs --admin-tcp", hint="add --admin-tcp 127.0.0.1:PORT")
     for warning in srv.preflight(settings, model, host=host, port=port, create_dirs=not dry_run, extra_args=extra,
                                  kv_cache_dtype=kv_cache_dtype, admin_socket=sock):
         typer.echo(f"warning: {warning}", err=True)
@@ -131,7 +145,8 @@ def serve(
             model_path = str(ensure_demo_model(demo_size, progress=lambda msg: typer.echo(f"… {msg}", err=True)))
     else:
         model_path = model
-    cmd, env = srv.vllm_command(model_path, settings, host, port, kv_cache_dtype, extra, admin_socket=sock)
+    cmd, env = srv.vllm_command(model_path, settings, host, port, kv_cache_dtype, extra, admin_socket=sock,
+                                admin_tcp=admin_tcp.replace("[::1]", "::1") if admin_tcp else None, token=token)
     url = srv.api_url(host, port)
 
     if dry_run:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -57,6 +58,14 @@ def session_of(request: Any) -> str:
             log.warning("kvtier: ignoring invalid session id %r", session_id)
     hashes = request.block_hashes
     return f"anon-{bytes(hashes[0]).hex()[:16]}" if hashes else f"anon-{request.request_id}"[:128]
+
+
+def admin_token_of(extra: dict, environ: Any = None) -> str | None:
+    """The admin TCP bearer token: from the engine's environment (``kvtier serve`` puts it there,
+    never on vLLM's command line), else an ``admin_token`` in the connector config of a hand-written
+    vLLM command line."""
+    environ = os.environ if environ is None else environ
+    return environ.get("KVTIER_ADMIN_TOKEN") or extra.get("admin_token")
 
 
 def wait_until_quiet(idle_for: Any, stopping: threading.Event, quiet_s: float, patience_s: float) -> bool | None:
@@ -294,7 +303,7 @@ class KVTierScheduler:
             host, _, port = str(extra["admin_tcp"]).rpartition(":")
             tcp = (host or "127.0.0.1", int(port))
         try:
-            self.admin = AdminServer(self.ops, extra["admin_socket"], tcp, extra.get("admin_token")).start()
+            self.admin = AdminServer(self.ops, extra["admin_socket"], tcp, admin_token_of(extra)).start()
         except Exception as exc:  # the engine still serves; only the admin plane is missing
             log.error("kvtier: admin API not started: %s", exc)
 
