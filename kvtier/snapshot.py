@@ -49,7 +49,7 @@ import xxhash
 from kvtier.errors import FingerprintMismatchError, KvtierError, SnapshotError
 from kvtier.layout import ModelFingerprint
 from kvtier.tiers.dram import PAGE, round_up
-from kvtier.tiers.nvme import checksum, probe_direct_io
+from kvtier.tiers.records import checksum, fsync_dir, probe_direct_io
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "BlockEntry", "SnapshotInfo", "SnapshotWriter", "write_snapshot",
            "open_snapshot", "read_blocks", "verify_snapshot", "remove_stale_temp_files", "shard_path"]
@@ -174,17 +174,6 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     written = os.pwrite(fd, view, offset)
     if written != len(view):
         raise OSError(errno.ENOSPC, f"short write ({written} of {len(view)} bytes)")
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 class SnapshotWriter:
@@ -338,7 +327,7 @@ class SnapshotWriter:
         self._fd = None
         os.replace(self._tmp, self.path)
         self._release()
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return _info_from(os.fspath(self.path), json.loads(header), self._header_len, self._payload_offset,
                           self._file_len)
 

@@ -323,3 +323,29 @@ def test_reads_land_in_arena_slots_in_place(tmp_path):
         assert BlockRecord(NS, b"k0", 50_000) in store.scan()
     finally:
         store.close()
+
+
+def test_a_block_dropped_while_compaction_copies_it_stays_dropped(tmp_path):
+    """Compaction commits a copy only if its block still has the extent it copied: a block dropped
+    in between is not brought back, and the copy's space and budget are given back."""
+    root = tmp_path / "nvme"
+    store = NvmeStore(root, GiB, segment_bytes=1 << 20)
+    store.can_punch = False
+    n = 100_000
+    try:
+        write_all(store, keys(9, "a"), n)
+        write_all(store, keys(9, "b"), n)
+        store.delete_many([(NS, k) for k in keys(9, "a")[2:]])
+        picked = [((NS, k), store._loc[(NS, k)]) for k in (b"a0", b"a1")]
+        store.delete(NS, b"a1")  # dropped after compaction chose it, before its copy is committed
+        assert store._move(picked) == file_bytes_for(n)  # only a0 moved
+        assert not store.contains(NS, b"a1") and store.contains(NS, b"a0")
+        assert store.used_bytes == sum(s.live for s in store._segments.values()) == 10 * file_bytes_for(n)
+        check_all(store, [b"a0"], n)
+    finally:
+        store.close()
+    again = NvmeStore(root, GiB)
+    try:
+        assert b"a1" not in {r.key for r in again.scan()}
+    finally:
+        again.close()

@@ -282,23 +282,24 @@ class NvmeStore:
             self._journal.append([], dropped)
         if self._journal.wants_rewrite(len(self._loc)):
             self._journal.rewrite({n: e for n, e in self._loc.items() if e.segment > 0})
+        named: dict[int, list[tuple[int, int]]] = {}  # segment -> (offset, end) of its records, one pass
+        for ext in self._loc.values():
+            named.setdefault(ext.segment, []).append((ext.offset, ext.offset + file_bytes_for(ext.nbytes)))
         for segment in list(self._segments.values()):
             if not segment.legacy:
-                self._clean_segment(segment)
+                self._clean_segment(segment, sorted(named.get(segment.id, ())))
 
-    def _clean_segment(self, segment: _Segment) -> None:
+    def _clean_segment(self, segment: _Segment, records: list[tuple[int, int]]) -> None:
         """Delete a segment nothing names; punch the ranges of one that no entry names (a torn
-        tail, drops whose punch a crash interrupted)."""
+        tail, drops whose punch a crash interrupted). ``records``: its named (offset, end), sorted."""
         if segment.live == 0:
             self._unlink_segment(segment)
             return
-        extents = sorted(e.offset for e in self._loc.values() if e.segment == segment.id)
-        ends = {e.offset: e.offset + file_bytes_for(e.nbytes) for e in self._loc.values() if e.segment == segment.id}
         gaps, pos = [], 0
-        for offset in extents:
+        for offset, end in records:
             if offset > pos:
                 gaps.append((pos, offset - pos))
-            pos = max(pos, ends[offset])
+            pos = max(pos, end)
         if segment.end > pos:
             gaps.append((pos, segment.end - pos))
         if gaps:
@@ -513,16 +514,9 @@ class NvmeStore:
         """Placed items that will not be committed: settled, their ranges punched, unplaced."""
         placed = [item for item in items if item.extent.segment]
         self._settle(placed)
-        by_segment: dict[int, list[tuple[int, int]]] = {}
+        self._reclaim([item.extent for item in placed])
         for item in placed:
-            by_segment.setdefault(item.extent.segment, []).append(
-                (item.extent.offset, file_bytes_for(item.extent.nbytes)))
             item.extent = Extent(0, 0, item.extent.nbytes, item.extent.codec)
-        for seg_id, ranges in by_segment.items():
-            segment = self._segments.get(seg_id)
-            if segment is not None:
-                with contextlib.suppress(OSError):
-                    self._punch(segment, ranges)
 
     def _place(self, items: list[_Item]) -> None:
         """Give each item consecutive offsets in the open segment (opening the next one when full)
@@ -614,13 +608,19 @@ class NvmeStore:
         finally:
             os.close(fd)
 
-    def _commit(self, items: list[_Item]) -> None:
-        """Name durable records in the journal, then in the map; punch what they replace."""
+    def _commit(self, items: list[_Item], expected: dict[Name, Extent] | None = None) -> list[_Item]:
+        """Name durable records in the journal, then in the map; punch what they replace. With
+        ``expected`` (compaction's moves), a block whose extent changed meanwhile is left as it is;
+        returns the items committed."""
         if not items:
-            return
+            return []
         replaced: list[Extent] = []
         self._counted("commits")
         with self._commit_lock:
+            if expected is not None:
+                with self._lock:
+                    items = [item for item in items
+                             if self._loc.get((item.namespace, item.key)) == expected[(item.namespace, item.key)]]
             self._journal.append([(item.namespace, item.key, item.extent) for item in items])
             with self._lock:
                 for item in items:
@@ -631,6 +631,7 @@ class NvmeStore:
                         replaced.append(old)
         self._settle(items)
         self._forget_extents(replaced)
+        return items
 
     def _settle(self, items: list[_Item]) -> None:
         """Placed items are committed or failed: their segments may be deleted once empty."""
@@ -665,7 +666,6 @@ class NvmeStore:
     def _forget_extents(self, extents: list[Extent]) -> int:
         """Account for records nothing names any more; punch them out (or unlink a block file)."""
         freed = 0
-        by_segment: dict[int, list[tuple[int, int]]] = {}
         with self._lock:
             for ext in extents:
                 size = file_bytes_for(ext.nbytes)
@@ -674,7 +674,15 @@ class NvmeStore:
                 segment = self._segments.get(ext.segment)
                 if segment is not None:
                     segment.live -= size
-                    by_segment.setdefault(ext.segment, []).append((ext.offset, size))
+        self._reclaim(extents)
+        return freed
+
+    def _reclaim(self, extents: Iterable[Extent]) -> None:
+        """Give back the disk space of records nothing names: a segment left idle and empty is
+        deleted (an old-layout block file too), otherwise the ranges are punched out."""
+        by_segment: dict[int, list[tuple[int, int]]] = {}
+        for ext in extents:
+            by_segment.setdefault(ext.segment, []).append((ext.offset, file_bytes_for(ext.nbytes)))
         for seg_id, ranges in by_segment.items():
             segment = self._segments.get(seg_id)
             if segment is None:
@@ -684,7 +692,6 @@ class NvmeStore:
             else:
                 with contextlib.suppress(OSError):
                     self._punch(segment, ranges)
-        return freed
 
     def _punch(self, segment: _Segment, ranges: list[tuple[int, int]]) -> None:
         if not self.can_punch:
@@ -832,11 +839,12 @@ class NvmeStore:
                                and s.live < sparse * s.end), key=lambda s: s.live / s.end)
             if not sources:
                 return 0
+            chosen = {s.id for s in sources[:8]}
             picked, budget = [], max_bytes
             for name, ext in self._loc.items():
                 if budget <= 0:
                     break
-                if any(ext.segment == s.id for s in sources[:8]):
+                if ext.segment in chosen:
                     picked.append((name, ext))
                     budget -= file_bytes_for(ext.nbytes)
         moved = 0
@@ -857,7 +865,10 @@ class NvmeStore:
             except CorruptBlockError:
                 self.delete_many([(namespace, key)])
                 continue
-            self._reserve(len(raw))
+            try:
+                self._reserve(len(raw))  # the copy and its original, until the original is dropped
+            except CapacityError:
+                break
             items.append((_Item(0, namespace, key, raw, Extent(0, 0, ext.nbytes, ext.codec)), ext))
         if not items:
             return 0
@@ -872,18 +883,14 @@ class NvmeStore:
             self._unplace(copies)
             self._fail(copies, OSError(errno.EIO, "compaction write failed"), [0] * len(copies))
             return 0
-        with self._commit_lock:
-            with self._lock:
-                current = [(c, old) for c, old in items if self._loc.get((c.namespace, c.key)) == old]
-            self._journal.append([(c.namespace, c.key, c.extent) for c, _ in current])
-            with self._lock:
-                for c, _old in current:
-                    self._loc[(c.namespace, c.key)] = c.extent
-                    self._segments[c.extent.segment].live += file_bytes_for(c.extent.nbytes)
-        self._settle(copies)
-        stale = [c for c, old in items if (c, old) not in current]
-        self._forget_extents([old for _c, old in current] + [c.extent for c in stale])
-        return sum(file_bytes_for(c.extent.nbytes) for c, _ in current)
+        committed = self._commit(copies, expected={(c.namespace, c.key): old for c, old in items})
+        done = {id(c) for c in committed}
+        stale = [c for c in copies if id(c) not in done]  # changed meanwhile: the copy is not needed
+        self._settle(stale)
+        for c in stale:  # never named, never counted live: only its reservation and its bytes go back
+            self._release(file_bytes_for(c.extent.nbytes))
+        self._reclaim([c.extent for c in stale])
+        return sum(file_bytes_for(c.extent.nbytes) for c in committed)
 
     def _copy_io(self, io: list[_Item]) -> None:
         segment = self._segments[io[0].extent.segment]

@@ -190,10 +190,14 @@ def allocate(fd: int, offset: int, length: int) -> bool:
 
 
 def fsync_dir(directory: Path) -> None:
-    """Make a directory's entries (a file created, renamed or removed in it) durable."""
+    """Make a directory's entries (a file created, renamed or removed in it) durable. Filesystems
+    that cannot fsync a directory (EINVAL, ENOTSUP) make its entries durable on their own."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 
