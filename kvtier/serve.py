@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +29,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import Settings
@@ -58,11 +60,12 @@ DEMO_BANNER = ("no model given: serving kvtier's built-in DEMO model "
 RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "9p", "afs"})
 GRACE_S = 30.0
-NO_HUB_HINT = "pass a local model directory (one with config.json); this box has no model hub"
+INSTANCES_SUBDIR = "instances"
+NO_MODEL_HINT = "pass a local model directory (one with config.json) or a Hugging Face id (org/name)"
 # vLLM flags kvtier sets itself: passing them after `--` would silently fight kvtier's own.
 _OWNED_FLAGS = {"--model": "MODEL", "--host": "--host", "--port": "--port",
                 "--kv-transfer-config": "--dram/--nvme/--nvme-dir/--policy",
-                "--kv-cache-dtype": "--kv-cache-dtype"}
+                "--kv-cache-dtype": "--kv-cache-dtype", "--revision": "--revision"}
 
 Say = Callable[[str], None]
 
@@ -103,25 +106,31 @@ def build_kv_transfer_config(settings: Settings, model_id: str, api_url: str | N
 
 def model_id_for(model_path: str, extra_args: Sequence[str] = ()) -> str:
     """The name KV blocks and snapshots are filed under: ``--served-model-name`` if given, else the
-    model directory's name (portable across machines, unlike the absolute path).  The connector's
-    fingerprint adds the KV geometry, so two different architectures never share blocks."""
+    model directory's name (portable across machines, unlike the absolute path), or a hub id as it
+    is (``org/name``, vLLM's own default name).  The connector's fingerprint adds the KV geometry
+    and the weights identity, so two different models never share blocks."""
     args = list(extra_args)
     for i, arg in enumerate(args):
         if arg == "--served-model-name" and i + 1 < len(args):
             return args[i + 1]
         if arg.startswith("--served-model-name="):
             return arg.split("=", 1)[1]
-    return Path(model_path).expanduser().resolve().name or str(model_path)
+    path = Path(model_path).expanduser()
+    if not os.path.lexists(path) and _HUB_ID.fullmatch(str(model_path)) and not str(model_path).startswith("."):
+        return str(model_path)
+    return path.resolve().name or str(model_path)
 
 
-def admin_socket_path(env: Mapping[str, str] | None = None) -> str:
-    """``$KVTIER_ADMIN_SOCKET``, else ``$XDG_RUNTIME_DIR/kvtier.sock``, else
-    ``/tmp/kvtier-$UID/kvtier.sock``: the same rule for ``kvtier serve`` and its clients."""
+def admin_socket_path(env: Mapping[str, str] | None = None, instance: str = "8000") -> str:
+    """The admin socket of instance ``instance``: ``$KVTIER_ADMIN_SOCKET``, else
+    ``$XDG_RUNTIME_DIR/kvtier/instances/NAME.sock`` (``/tmp/kvtier-$UID/instances/NAME.sock``
+    without ``XDG_RUNTIME_DIR``).  Clients find it through the instance registry."""
+    from kvtier.control.instances import instance_socket
+
     env = os.environ if env is None else env
     if env.get("KVTIER_ADMIN_SOCKET"):
         return str(env["KVTIER_ADMIN_SOCKET"])
-    base = env.get("XDG_RUNTIME_DIR") or f"/tmp/kvtier-{os.getuid()}"
-    return os.path.join(base, "kvtier.sock")
+    return instance_socket(instance, env)
 
 
 ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
@@ -195,23 +204,41 @@ def preflight(
     extra_args: Sequence[str] = (),
     kv_cache_dtype: str | None = None,
     admin_socket: str | None = None,
+    revision: str | None = None,
+    instance: str | None = None,
 ) -> list[str]:
     """Refuse (UsageError / ConfigError, each with a hint) what would make vLLM fail later.
 
     ``create_dirs=False`` (dry runs) checks that the NVMe dir *could* be created without creating
-    it.  ``port=None`` skips the port check.  Returns warnings worth printing (nothing fatal).
+    it.  ``port=None`` skips the port check.  ``instance``: this server's name, refused when a live
+    instance has it.  Returns warnings worth printing (nothing fatal).
     """
+    from kvtier.control.instances import list_instances
+
     warnings: list[str] = []
+    running = list_instances()
+    if instance is not None:
+        _check_instance(instance, port, running)
     _check_codecs(settings, kv_cache_dtype)
     if model is not None:
-        _check_model(model, extra_args)
-    warnings += _check_nvme_dir(settings, create_dirs)
+        resolve_model(model, revision, extra_args)
+    warnings += _check_nvme_dir(settings, create_dirs, running)
     _check_dram(settings)
     if port is not None:
         _check_port(host, port)
     if admin_socket is not None:
         check_admin_socket(admin_socket)
     return warnings
+
+
+def _check_instance(name: str, port: int | None, running: list) -> None:
+    for other in running:
+        if other.name == name:
+            raise UsageError(f"instance {name!r} is already running (pid {other.pid}, port {other.port}, {other.model})",
+                             hint="stop it, or name this one with --instance NAME (and give it its own --port)")
+        if port is not None and other.port == port:
+            raise UsageError(f"port {port} is taken by kvtier instance {other.name!r} (pid {other.pid})",
+                             hint="pick another --port (one per instance)")
 
 
 def _check_codecs(settings: Settings, kv_cache_dtype: str | None) -> None:
@@ -225,17 +252,89 @@ def _check_codecs(settings: Settings, kv_cache_dtype: str | None) -> None:
     resolve_codec(settings.cold_codec, probe, "cold")
 
 
-def _check_model(model: str, extra_args: Sequence[str]) -> None:
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """What ``kvtier serve MODEL`` serves: a local directory, or a hub id vLLM resolves itself
+    (from the Hugging Face cache, or the hub), at ``revision`` when one is given."""
+
+    arg: str  # as the user wrote it; vLLM gets it unchanged
+    kind: str  # "local" or "hub"
+    revision: str | None = None
+    snapshot: str | None = None  # a hub id's snapshot directory in the local cache, when it is there
+
+    @property
+    def commit(self) -> str | None:
+        return Path(self.snapshot).name if self.snapshot else None
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+_HUB_TIMEOUT_S = 2.5
+
+
+def _offline(env: Mapping[str, str]) -> bool:
+    return any(str(env.get(name, "")).strip().lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def resolve_model(model: str, revision: str | None = None, extra_args: Sequence[str] = (),
+                  env: Mapping[str, str] | None = None) -> ModelSource:
+    """Check that vLLM will find ``model`` -- before it spends a minute starting -- without
+    downloading anything: a local directory with a config.json, or a hub id that is in the local
+    Hugging Face cache or that the hub (asked with a short timeout) knows.  One clear error otherwise."""
+    env = os.environ if env is None else env
+    flags = "; vLLM flags go after `--`, e.g. kvtier serve MODEL -- --max-model-len 4096" if extra_args else ""
     path = Path(model).expanduser()
-    hint = NO_HUB_HINT
-    if extra_args:
-        hint += "; vLLM flags go after `--`, e.g. kvtier serve MODEL -- --max-model-len 4096"
-    if not path.exists():
-        raise UsageError(f"model path {model} does not exist", hint=hint)
-    if not path.is_dir():
-        raise UsageError(f"model path {model} is not a directory", hint=hint)
-    if not (path / "config.json").is_file():
-        raise UsageError(f"model directory {model} has no config.json", hint=hint)
+    looks_local = model.startswith((".", "/", "~")) or os.path.lexists(path) or not _HUB_ID.fullmatch(model)
+    if looks_local:
+        if revision:
+            raise UsageError("--revision is for hub ids, not local directories",
+                             hint=f"drop --revision, or pass a hub id (org/name){flags}")
+        if not path.exists():
+            raise UsageError(f"model path {model} does not exist", hint=NO_MODEL_HINT + flags)
+        if not path.is_dir():
+            raise UsageError(f"model path {model} is not a directory", hint=NO_MODEL_HINT + flags)
+        if not (path / "config.json").is_file():
+            raise UsageError(f"model directory {model} has no config.json", hint=NO_MODEL_HINT + flags)
+        return ModelSource(model, "local")
+    from kvtier.weights import hub_cache_dir, hub_snapshot
+
+    snapshot = hub_snapshot(model, revision, env)
+    if snapshot is not None:
+        return ModelSource(model, "hub", revision, str(snapshot))
+    at = f" at revision {revision}" if revision else ""
+    if _offline(env):
+        raise UsageError(f"model {model}{at} is not in the Hugging Face cache and HF_HUB_OFFLINE is set",
+                         hint=f"download it where there is a network (`hf download {model}`) into "
+                              f"{hub_cache_dir(env)}, unset HF_HUB_OFFLINE, or pass a local directory")
+    _ask_hub(model, revision, at)
+    return ModelSource(model, "hub", revision, None)
+
+
+def _ask_hub(model: str, revision: str | None, at: str) -> None:
+    """Whether the hub knows ``model`` (and ``revision``): refused with one line when it does not."""
+    try:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    except ImportError:
+        raise UsageError(f"{model} is not a local directory and huggingface_hub is not installed",
+                         hint="pass a local model directory, or pip install huggingface_hub") from None
+    try:
+        HfApi().model_info(model, revision=revision, timeout=_HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise UsageError(f"model {model} is gated on the Hugging Face hub",
+                         hint="accept its terms on huggingface.co and log in (`hf auth login` or HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise UsageError(f"the Hugging Face hub has no revision {revision!r} of {model}",
+                         hint="pass --revision a branch, tag or commit of that repository") from None
+    except RepositoryNotFoundError:
+        raise UsageError(f"model {model}{at} is not on the Hugging Face hub (nor in the local cache)",
+                         hint="check the id (org/name); a private model needs `hf auth login` or HF_TOKEN") from None
+    except Exception as exc:  # noqa: BLE001 - network down, DNS, proxy, timeout
+        why = type(exc).__name__
+        raise UsageError(f"cannot reach the Hugging Face hub to find {model}{at} ({why}), and it is not in "
+                         "the local cache",
+                         hint="check the network, or download it first and set HF_HUB_OFFLINE=1, "
+                              "or pass a local directory") from None
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -277,7 +376,9 @@ def _stored_bytes(nvme_dir: Path) -> int:
     """Bytes kvtier's segments (and old-layout block files) already take on disk under ``nvme_dir``,
     every rank's included (reusable by the new budget)."""
     total = 0
-    for root, _dirs, files in os.walk(nvme_dir):
+    for root, dirs, files in os.walk(nvme_dir):
+        if root == str(nvme_dir):  # named instances' stores are theirs, not this one's
+            dirs[:] = [d for d in dirs if d != INSTANCES_SUBDIR]
         for name in files:
             if name.endswith((".kvseg", ".kvb")):
                 try:
@@ -287,7 +388,34 @@ def _stored_bytes(nvme_dir: Path) -> int:
     return total
 
 
-def _check_nvme_dir(settings: Settings, create: bool) -> list[str]:
+def instance_store_dir(nvme_dir: str, name: str | None) -> str:
+    """Where an instance keeps its cold tier: a named instance (``--instance NAME``) in
+    ``NVME_DIR/instances/NAME`` -- so instances share one NVMe directory, each with its own blocks,
+    journal, catalog, lock and budget -- and an unnamed one in ``NVME_DIR`` itself, as before."""
+    return str(Path(nvme_dir) / INSTANCES_SUBDIR / name) if name else str(nvme_dir)
+
+
+def _committed_elsewhere(nvme_dir: Path, running: Sequence) -> int:
+    """NVMe budget other live instances have on the same filesystem and have not filled yet: room
+    this server must not count on."""
+    try:
+        device = os.stat(_nearest_existing(nvme_dir.absolute())).st_dev
+    except OSError:
+        return 0
+    total = 0
+    for other in running:
+        if not other.nvme_dir or not other.nvme_bytes:
+            continue
+        try:
+            if os.stat(_nearest_existing(Path(other.nvme_dir))).st_dev != device:
+                continue
+        except OSError:
+            continue
+        total += max(0, int(other.nvme_bytes) - _stored_bytes(Path(other.nvme_dir)))
+    return total
+
+
+def _check_nvme_dir(settings: Settings, create: bool, running: Sequence = ()) -> list[str]:
     warnings: list[str] = []
     raw = settings.nvme_dir
     nvme_dir = Path(raw).expanduser()
@@ -316,7 +444,8 @@ def _check_nvme_dir(settings: Settings, create: bool) -> list[str]:
 
     for lock, pid in held_locks(nvme_dir):
         raise ConfigError(f"NVMe dir {raw} is in use by another kvtier server (pid {pid}, {lock.name})",
-                          hint="give each server its own --nvme-dir (one per GPU or instance), or stop the other one")
+                          hint="name each server (--instance gpu0, --instance gpu1: named instances share one "
+                               "--nvme-dir, each in its own subdirectory), give each its own --nvme-dir, or stop the other")
     if create:
         try:
             nvme_dir.mkdir(parents=True, exist_ok=True)
@@ -339,11 +468,13 @@ def _check_nvme_dir(settings: Settings, create: bool) -> list[str]:
 
     usage = shutil.disk_usage(nvme_dir if nvme_dir.is_dir() else where)
     stored = _stored_bytes(nvme_dir) if nvme_dir.is_dir() else 0
-    room = usage.free + stored
+    others = _committed_elsewhere(nvme_dir, running)
+    room = max(0, usage.free - others) + stored
     if settings.nvme_bytes > room:
+        promised = f", less {_human_bytes(others)} other kvtier instances may still fill" if others else ""
         raise ConfigError(
             f"nvme budget {_human_bytes(settings.nvme_bytes)} is larger than the disk space kvtier can use "
-            f"in {raw}: {_human_bytes(usage.free)} free + {_human_bytes(stored)} already stored by kvtier",
+            f"in {raw}: {_human_bytes(usage.free)} free + {_human_bytes(stored)} already stored by kvtier{promised}",
             hint=f"lower --nvme (at most {_human_bytes(room)} fits there), free disk space, "
                  "or pass --nvme-dir on a bigger disk")
     return warnings
@@ -419,6 +550,8 @@ def vllm_command(
     admin_socket: str | None = None,
     admin_tcp: str | None = None,
     token: str | None = None,
+    revision: str | None = None,
+    instance: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """argv and environment for vLLM's OpenAI server with kvtier's connector.
 
@@ -431,10 +564,16 @@ def vllm_command(
             raise UsageError(f"{flag} is set by kvtier serve; do not pass it after `--`",
                              hint=f"use kvtier's own {_OWNED_FLAGS[flag]} instead")
     config = build_kv_transfer_config(settings, model_id_for(model_path, extra), api_url(host, port),
-                                      admin_socket or admin_socket_path(base_env), admin_tcp)
+                                      admin_socket or admin_socket_path(base_env, instance or str(port)), admin_tcp)
+    extra_config = config["kv_connector_extra_config"]
+    extra_config["instance"] = instance or str(port)
+    if revision:
+        extra_config["revision"] = revision
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_path), "--host", host, "--port", str(port),
            "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    if revision:
+        cmd += ["--revision", revision]
     if kv_cache_dtype:
         cmd += ["--kv-cache-dtype", kv_cache_dtype]
     if not any(arg.split("=", 1)[0] == "--served-model-name" for arg in extra):
@@ -477,6 +616,15 @@ def vllm_cpu_env(user: Mapping[str, str], vllm_args: Sequence[str], connector: b
         # by `kvtier bench faults`); kvtier's mover threads share the scheduler's reserved core.
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     return env
+
+
+def visible_gpus(env: Mapping[str, str]) -> list[str] | None:
+    """The GPUs an instance may use, from ``CUDA_VISIBLE_DEVICES`` (indexes or UUIDs, as given);
+    None when it is not set (every GPU of the box)."""
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [part.strip() for part in value.split(",") if part.strip()]
 
 
 def tensor_parallel_size(args: Sequence[str]) -> int:

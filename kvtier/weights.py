@@ -8,17 +8,18 @@ covers what changes whenever the weights do, and costs a few small reads:
 * every ``*.safetensors`` file: its name, size and header (the JSON that names every tensor, its
   dtype, shape and byte range, plus any metadata);
 * other weight files (``*.bin``, ``*.pt``, ``*.gguf``): name, size and the first and last 64 KiB.
-For a hub id the resolved snapshot directory in the local Hugging Face cache is used (its revision
-hash names it); when it is not there, the revision string itself (``rev:<name>``).
+For a hub id the resolved snapshot directory in the local Hugging Face cache is used, its commit hash
+(the directory's name) included; when it is not there, the revision string itself (``rev:<name>``).
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["weights_identity"]
+__all__ = ["hub_cache_dir", "hub_snapshot", "weights_identity"]
 
 _MAX_HEADER = 64 << 20
 _EDGE = 64 << 10
@@ -28,11 +29,12 @@ _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".gguf")
 def weights_identity(model: str | os.PathLike, revision: str | None = None) -> str:
     """16 hex digits naming the weights of ``model`` (a directory, or a hub id); "" if unknown."""
     directory = Path(model).expanduser()
+    h = hashlib.blake2b(digest_size=8)
     if not directory.is_dir():
-        directory = _hub_snapshot(str(model), revision)
+        directory = hub_snapshot(str(model), revision)
         if directory is None:
             return f"rev:{revision}" if revision else ""
-    h = hashlib.blake2b(digest_size=8)
+        h.update(b"commit\0" + directory.name.encode())  # the snapshot's directory is its commit hash
     config = directory / "config.json"
     if config.is_file():
         h.update(b"config\0" + config.read_bytes())
@@ -64,14 +66,24 @@ def _edges(path: Path) -> bytes:
     return f"size={size}\0".encode() + hashlib.blake2b(head + tail, digest_size=16).digest()
 
 
-def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
-    """The local snapshot directory of a hub model, without touching the network."""
-    if repo_id.count("/") != 1:
+def hub_cache_dir(env: Mapping[str, str] | None = None) -> str:
+    """The Hugging Face hub cache, by the rules huggingface_hub follows (read now, not at its import)."""
+    env = os.environ if env is None else env
+    if env.get("HF_HUB_CACHE"):
+        return str(env["HF_HUB_CACHE"])
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                              "huggingface")
+    return os.path.join(home, "hub")
+
+
+def hub_snapshot(repo_id: str, revision: str | None, env: Mapping[str, str] | None = None) -> Path | None:
+    """The local snapshot directory of a hub model (with its config.json), without touching the network."""
+    if repo_id.count("/") > 1:
         return None
     try:
         from huggingface_hub import snapshot_download
 
-        path = snapshot_download(repo_id, revision=revision, local_files_only=True)
+        path = snapshot_download(repo_id, revision=revision, local_files_only=True, cache_dir=hub_cache_dir(env))
     except Exception:  # noqa: BLE001 - not cached (or no huggingface_hub): fall back to the revision
         return None
-    return Path(path) if Path(path).is_dir() else None
+    return Path(path) if (Path(path) / "config.json").is_file() else None

@@ -32,7 +32,7 @@ def env(tmp_path, monkeypatch):
         if key.startswith("KVTIER_"):
             monkeypatch.delenv(key)
     return {"XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
-            "KVTIER_DRAM": "1GiB", "KVTIER_NVME": "1GiB", "KVTIER_NVME_DIR": str(tmp_path / "nvme")}
+            "XDG_RUNTIME_DIR": str(tmp_path / "run"), "KVTIER_DRAM": "1GiB", "KVTIER_NVME": "1GiB", "KVTIER_NVME_DIR": str(tmp_path / "nvme")}
 
 
 @pytest.fixture
@@ -95,9 +95,11 @@ def test_dry_run_command_and_connector_config(env, model_dir, tmp_path):
     assert extra["model_id"] == "tiny-llama"
     assert set(extra) == {"dram_bytes", "nvme_dir", "nvme_bytes", "policy", "high_watermark",
                           "low_watermark", "io_threads", "direct_io", "warm_codec", "cold_codec", "link_gbps", "model_id",
-                          "admin_socket", "snapshot_dir", "api_url", "write_behind"}
+                          "admin_socket", "snapshot_dir", "api_url", "write_behind", "instance"}
+    assert extra["instance"] == cmd[cmd.index("--port") + 1]  # unnamed: the port names it
     assert extra["write_behind"] == "10"
-    assert extra["api_url"] == cmd_url(cmd) and extra["admin_socket"].endswith("kvtier.sock")
+    assert extra["api_url"] == cmd_url(cmd)
+    assert extra["admin_socket"] == str(tmp_path / "run" / "kvtier" / "instances" / f"{extra['instance']}.sock")
     assert json.loads(result.stdout.split("kv-transfer-config:\n", 1)[1].rsplit("\nAPI", 1)[0]) == config
     assert "--kv-cache-dtype" not in cmd
     assert not (tmp_path / "cold").exists()  # a dry run creates nothing
@@ -163,9 +165,16 @@ def test_serve_runs_the_server_and_returns_its_status(env, model_dir, tmp_path, 
 
     import kvtier.serve
 
-    calls = []
-    monkeypatch.setattr(kvtier.serve, "run_server", lambda cmd, env, url, sock, say, before_stop, stop_timeout_s:
-                        calls.append((cmd, env, url, sock, before_stop, stop_timeout_s)) or 3)
+    from kvtier.control.instances import list_instances
+
+    calls, registered = [], []
+
+    def run_server(cmd, env, url, sock, say, before_stop, stop_timeout_s):
+        registered.extend(list_instances({"XDG_RUNTIME_DIR": str(tmp_path / "run")}))
+        calls.append((cmd, env, url, sock, before_stop, stop_timeout_s))
+        return 3
+
+    monkeypatch.setattr(kvtier.serve, "run_server", run_server)
     demo = types.ModuleType("kvtier.demo_model")
     demo.ensure_demo_model = lambda size="tiny", cache_dir=None, progress=None: model_dir
     demo.demo_model_dir = lambda size="tiny", cache_dir=None: model_dir
@@ -178,13 +187,16 @@ def test_serve_runs_the_server_and_returns_its_status(env, model_dir, tmp_path, 
     assert callable(before_stop) and stop_timeout_s == 60.0  # the flush on stop, bounded
     assert cmd[cmd.index("--model") + 1] == str(model_dir) and cmd[-1] == "--enforce-eager"
     assert url == f"http://127.0.0.1:{port}/v1"
-    assert sock == str(tmp_path / "run" / "kvtier.sock")
+    assert sock == str(tmp_path / "run" / "kvtier" / "instances" / f"{port}.sock")
     assert (tmp_path / "nvme").is_dir()  # a real run creates the cold tier's directory
+    # registered while it ran (named by its port), unregistered once it stopped
+    assert [(i.name, i.port, i.admin_socket, i.model) for i in registered] == [(str(port), port, sock, "tiny-llama")]
+    assert list_instances({"XDG_RUNTIME_DIR": str(tmp_path / "run")}) == []
 
 
 # ---- preflight refusals --------------------------------------------------------------------------
 def test_missing_model_path_is_refused(env, tmp_path):
-    assert_refused(serve(env, tmp_path / "no-such-model", "--dry-run"), "does not exist", "model hub")
+    assert_refused(serve(env, tmp_path / "no-such-model", "--dry-run"), "does not exist", "Hugging Face id")
     (tmp_path / "empty").mkdir()
     assert_refused(serve(env, tmp_path / "empty", "--dry-run"), "config.json")
 
@@ -414,7 +426,8 @@ def test_the_admin_socket_follows_the_flag_or_kvtier_admin_socket(env, model_dir
 
     assert admin_socket_path({"KVTIER_ADMIN_SOCKET": "/run/a/kvtier.sock", "XDG_RUNTIME_DIR": "/r"}) == \
         "/run/a/kvtier.sock"
-    assert admin_socket_path({"XDG_RUNTIME_DIR": "/r"}) == "/r/kvtier.sock"
+    assert admin_socket_path({"XDG_RUNTIME_DIR": "/r"}) == "/r/kvtier/instances/8000.sock"
+    assert admin_socket_path({"XDG_RUNTIME_DIR": "/r"}, "gpu1") == "/r/kvtier/instances/gpu1.sock"
     mine = tmp_path / "one.sock"
     cmd, _prefix, result = dry_run(env, model_dir, "--admin-socket", mine)
     config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])

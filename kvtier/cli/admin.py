@@ -14,15 +14,33 @@ import typer
 
 from kvtier.cli.output import emit_json, handle_errors, human_bytes, print_table
 
-__all__ = ["register"]
+__all__ = ["INSTANCE_OPTION", "register", "selected_instance"]
 
-SOCKET_HELP = "Admin socket of the server (default: the one `kvtier serve` prints)."
+SOCKET_HELP = "Admin socket of the server (default: the only running instance's)."
+
+
+_SELECTED: list[Optional[str]] = [None]
+
+
+def remember_instance(value: Optional[str]) -> Optional[str]:
+    """``--instance NAME|PORT``, kept for the client this command makes (click calls this for
+    every command that has the option, with None when it is absent)."""
+    _SELECTED[0] = value
+    return value
+
+
+def selected_instance() -> Optional[str]:
+    return _SELECTED[0]
+
+
+INSTANCE_OPTION = typer.Option(None, "--instance", callback=remember_instance, expose_value=False,
+                               help="Which kvtier serve, by name or port, when several run (kvtier instances).")
 
 
 def _client(socket: Optional[str]):
-    from kvtier.control.client import AdminClient
+    from kvtier.control.client import connect
 
-    return AdminClient(socket)
+    return connect(socket, selected_instance())
 
 
 def _ago(ts: float) -> str:
@@ -61,7 +79,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
     @app.command("status")
     @handle_errors
     def status(json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-               socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+               socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+               _instance: Optional[str] = INSTANCE_OPTION) -> None:
         """The server: model, tiers (bytes, codec, tokens per GiB), sessions, jobs, warnings."""
         doc = _client(socket).get("/v1/status")
         if json_out:
@@ -108,6 +127,7 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         limit: int = typer.Option(50, "--limit", min=1, max=100_000, help="At most this many rows."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
         socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+        _instance: Optional[str] = INSTANCE_OPTION,
     ) -> None:
         """Sessions with their state and bytes per tier."""
         doc = _client(socket).get("/v1/sessions", sort=sort, state=state, limit=limit)
@@ -125,7 +145,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
     @handle_errors
     def inspect(session: str = typer.Argument(..., help="Session id."),
                 json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-                socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+                socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+                _instance: Optional[str] = INSTANCE_OPTION) -> None:
         """One session: blocks and bytes per tier, codec, tokens, last use, job in flight."""
         from kvtier.control.client import AdminClient
 
@@ -159,7 +180,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
             tier: str = typer.Option("dram", "--tier", help="dram (never demoted) or nvme (never dropped)."),
             wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
             json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
-            socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+            socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+            _instance: Optional[str] = INSTANCE_OPTION) -> None:
         """Pin a session at a tier."""
         write("pin", "pin", session, {"tier": tier}, wait, json_out, socket)
 
@@ -167,7 +189,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
     @handle_errors
     def unpin(session: str = typer.Argument(..., help="Session id."),
               json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
-              socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+              socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+              _instance: Optional[str] = INSTANCE_OPTION) -> None:
         """Let the eviction policy move a pinned session again."""
         write("unpin", "unpin", session, {}, True, json_out, socket)
 
@@ -178,7 +201,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
               yes: bool = typer.Option(False, "--yes", "-y", help="Drop without asking."),
               wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
               json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
-              socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+              socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+              _instance: Optional[str] = INSTANCE_OPTION) -> None:
         """Move a session's blocks down to NVMe (or back to DRAM), or drop them."""
         if to == "drop" and not yes and not typer.confirm(f"drop every stored block of session {session}?"):
             raise typer.Exit(1)
@@ -191,7 +215,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
                                                         help="File to write (default: <snapshot dir>/<session>.kvsnap)."),
                       wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job or print its id."),
                       json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
-                      socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+                      socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+                      _instance: Optional[str] = INSTANCE_OPTION) -> None:
         """kvtier snapshot SESSION [--out FILE]: write a session's KV to a portable file."""
         from pathlib import Path
 
@@ -204,7 +229,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
                 tier: str = typer.Option("dram", "--tier", help="dram or nvme."),
                 wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
                 json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
-                socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+                socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+                _instance: Optional[str] = INSTANCE_OPTION) -> None:
         """Bring a snapshot's session back into the tiers (its next turn loads instead of recomputing)."""
         from pathlib import Path
 
@@ -222,7 +248,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
     def flush(session: Optional[str] = typer.Option(None, "--session", help="Only this session."),
               wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
               json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
-              socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+              socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+              _instance: Optional[str] = INSTANCE_OPTION) -> None:
         """Write every DRAM block that has no NVMe copy yet to NVMe now (they stay in DRAM too)."""
         client = _client(socket)
         job = client.post("/v1/flush", {"session": session} if session else {})
@@ -232,7 +259,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
     @handle_errors
     def jobs(job_id: Optional[int] = typer.Argument(None, help="One job."),
              json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-             socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP)) -> None:
+             socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
+             _instance: Optional[str] = INSTANCE_OPTION) -> None:
         """Recent jobs (pin, evict, snapshot, restore) and their state."""
         client = _client(socket)
         doc = client.get(f"/v1/jobs/{job_id}") if job_id is not None else client.get("/v1/jobs")

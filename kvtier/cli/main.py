@@ -69,7 +69,13 @@ def _root(
 def serve(
     ctx: typer.Context,
     model: Optional[str] = typer.Argument(
-        None, help="A local model directory (with config.json). Omit it to serve kvtier's demo model."),
+        None, help="A local model directory (with config.json) or a Hugging Face id (org/name). "
+                   "Omit it to serve kvtier's demo model."),
+    revision: Optional[str] = typer.Option(
+        None, "--revision", help="Branch, tag or commit of a Hugging Face model (passed to vLLM)."),
+    instance: Optional[str] = typer.Option(
+        None, "--instance", help="Name of this server on the box (default: its --port). A named instance keeps "
+                                 "its cold tier in NVME_DIR/instances/NAME, so several share one --nvme-dir."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address the API listens on."),
     port: int = typer.Option(8000, "--port", help="Port the API listens on."),
     dram: Optional[str] = typer.Option(None, "--dram", help="Warm tier (host DRAM) budget, e.g. 8GiB."),
@@ -119,7 +125,14 @@ def serve(
                                               "warm_codec": warm_codec, "cold_codec": cold_codec,
                                               "link_gbps": link_gbps, "write_behind": write_behind,
                                               "stop_timeout": stop_timeout})
-    sock = os.path.abspath(os.path.expanduser(admin_socket)) if admin_socket else srv.admin_socket_path()
+    from dataclasses import replace
+
+    from kvtier.control.instances import Instance, Registration, valid_name
+
+    name = valid_name(instance) if instance is not None else str(port)
+    if instance is not None:
+        settings = replace(settings, nvme_dir=srv.instance_store_dir(settings.nvme_dir, name))
+    sock = os.path.abspath(os.path.expanduser(admin_socket)) if admin_socket else srv.admin_socket_path(instance=name)
     token = None
     if admin_tcp:
         host_part, _, port_part = admin_tcp.rpartition(":")
@@ -129,24 +142,28 @@ def serve(
         token = srv.admin_token(admin_token_file)
     elif admin_token_file:
         raise UsageError("--admin-token-file needs --admin-tcp", hint="add --admin-tcp 127.0.0.1:PORT")
-    for warning in srv.preflight(settings, model, host=host, port=port, create_dirs=not dry_run, extra_args=extra,
-                                 kv_cache_dtype=kv_cache_dtype, admin_socket=sock):
+    if revision is not None and model is None:
+        raise UsageError("--revision needs a hub MODEL", hint="e.g. kvtier serve Qwen/Qwen2.5-0.5B-Instruct --revision main")
+    for warning in srv.preflight(settings, None, host=host, port=port, create_dirs=not dry_run, extra_args=extra,
+                                 kv_cache_dtype=kv_cache_dtype, admin_socket=sock, instance=name):
         typer.echo(f"warning: {warning}", err=True)
+    source = srv.resolve_model(model, revision, extra) if model is not None else None
 
-    if model is None:
+    if source is None:
         typer.echo(srv.DEMO_BANNER, err=True)
         try:
             from kvtier.demo_model import demo_model_dir, ensure_demo_model
         except ImportError:
-            raise UsageError("the demo model is not available in this install", hint=srv.NO_HUB_HINT) from None
+            raise UsageError("the demo model is not available in this install", hint=srv.NO_MODEL_HINT) from None
         if dry_run:  # where it is (or would be built): a dry run builds nothing
             model_path = str(demo_model_dir(demo_size))
         else:
             model_path = str(ensure_demo_model(demo_size, progress=lambda msg: typer.echo(f"… {msg}", err=True)))
     else:
-        model_path = model
+        model_path = source.arg
     cmd, env = srv.vllm_command(model_path, settings, host, port, kv_cache_dtype, extra, admin_socket=sock,
-                                admin_tcp=admin_tcp.replace("[::1]", "::1") if admin_tcp else None, token=token)
+                                admin_tcp=admin_tcp.replace("[::1]", "::1") if admin_tcp else None, token=token,
+                                revision=revision, instance=name)
     url = srv.api_url(host, port)
 
     if dry_run:
@@ -157,14 +174,22 @@ def serve(
                    + (" " if added else "") + shlex.join(cmd))
         typer.echo("kv-transfer-config:")
         typer.echo(json.dumps(json.loads(cmd[cmd.index("--kv-transfer-config") + 1]), indent=2))
-        typer.echo(f"API would be at {url}, admin socket {sock}")
+        typer.echo(f"API would be at {url}, instance {name}, admin socket {sock}")
         return
+
     def say(msg: str) -> None:
         typer.echo(f"kvtier: {msg}")
 
-    code = srv.run_server(cmd, env, url, sock, say=say,
-                          before_stop=lambda: srv.flush_before_stop(sock, settings.stop_timeout, say),
-                          stop_timeout_s=settings.stop_timeout)
+    served_as = cmd[cmd.index("--served-model-name") + 1] if "--served-model-name" in cmd else model_path
+    record = Instance(name=name, pid=os.getpid(), port=port, host=host, api_url=url, admin_socket=sock,
+                      model=served_as, revision=(source.commit or revision) if source else None,
+                      admin_tcp=admin_tcp, nvme_dir=str(settings.nvme_dir), nvme_bytes=int(settings.nvme_bytes),
+                      dram_bytes=int(settings.dram_bytes), gpus=srv.visible_gpus(env))
+    with Registration(record):
+        say(f"instance {name} (`kvtier sessions --instance {name}` reaches it when several run)")
+        code = srv.run_server(cmd, env, url, sock, say=say,
+                              before_stop=lambda: srv.flush_before_stop(sock, settings.stop_timeout, say),
+                              stop_timeout_s=settings.stop_timeout)
     raise typer.Exit(code)
 
 
@@ -441,11 +466,50 @@ def config_show(json_out: bool = typer.Option(False, "--json", help="Print JSON.
                 [(key, value, sources[key]) for key, value in values.items()])
 
 
+from kvtier.cli.admin import INSTANCE_OPTION, selected_instance  # noqa: E402
 from kvtier.cli.admin import register as _register_admin  # noqa: E402
 
 _register_admin(app, snapshot_app)
 
 from kvtier.cli.top import register as _register_top  # noqa: E402
+
+
+@app.command("instances")
+@handle_errors
+def instances(json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+              probe: bool = typer.Option(True, "--probe/--no-probe",
+                                         help="Ask each instance for its sessions (1 s timeout each).")) -> None:
+    """The kvtier servers running on this box (for this user): name, port, model, GPUs, admin socket."""
+    import time
+
+    from kvtier.control.client import AdminClient
+    from kvtier.control.instances import list_instances, registry_dir
+    from kvtier.errors import KvtierError
+
+    found = []
+    for inst in list_instances():
+        doc = inst.to_dict()
+        doc["uptime_s"] = round(time.time() - inst.started, 1)
+        if probe:
+            try:
+                status = AdminClient(inst.admin_socket, timeout=1.0).get("/v1/status")
+                doc["sessions"] = sum(status.get("sessions", {}).values())
+                doc["reachable"] = True
+            except KvtierError:
+                doc["reachable"] = False
+        found.append(doc)
+    if json_out:
+        emit_json({"instances": found, "registry": str(registry_dir())})
+        return
+    if not found:
+        typer.echo(f"no kvtier instance is running (registry: {registry_dir()})")
+        return
+    print_table(f"kvtier instances ({len(found)})",
+                ["name", "port", "pid", "model", "GPUs", "sessions", "up", "admin socket"],
+                [(d["name"], d["port"], d["pid"], d["model"] + (f"@{d['revision'][:12]}" if d.get("revision") else ""),
+                  ",".join(d["gpus"]) if d.get("gpus") is not None else "all",
+                  "-" if "sessions" not in d else (d["sessions"] if d["reachable"] else "starting"),
+                  f"{d['uptime_s']:.0f}s", d["admin_socket"]) for d in found])
 
 
 @app.command("doctor")
@@ -456,11 +520,12 @@ def doctor(
     model: Optional[str] = typer.Option(None, "--model", help="Model directory for KV geometry (default: the demo)."),
     link_gbps: Optional[str] = typer.Option(None, "--link-gbps", help="Cap links, GB/s: pcie=3.9,nvme=1.5."),
     socket: Optional[str] = typer.Option(None, "--socket", help="Admin socket of a running server (optional)."),
+    _instance: Optional[str] = INSTANCE_OPTION,
     quick: bool = typer.Option(False, "--quick", help="Smaller bandwidth measurements."),
 ) -> None:
     """Links, disks and the load-or-recompute break-even on this box, with plain warnings."""
     from kvtier.config import load_settings
-    from kvtier.control.client import AdminClient
+    from kvtier.control.client import connect
     from kvtier.costmodel import parse_link_caps
     from kvtier.doctor import run_doctor
     from kvtier.errors import KvtierError
@@ -469,7 +534,7 @@ def doctor(
     caps = parse_link_caps(link_gbps)
     server = None
     try:
-        client = AdminClient(socket, timeout=5)
+        client = connect(socket, selected_instance(), timeout=5)
         server = {"status": client.get("/v1/status"), "costmodel": client.get("/v1/costmodel")}
     except KvtierError:
         server = None

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from kvtier.cli.admin import INSTANCE_OPTION, selected_instance
 from kvtier.cli.output import emit_json, handle_errors, print_table
 from kvtier.errors import UsageError
 
@@ -18,7 +19,8 @@ def register(app: typer.Typer) -> None:
     @app.command("top")
     @handle_errors
     def top(
-        socket: Optional[str] = typer.Option(None, "--socket", help="Admin socket (default: the one `kvtier serve` prints)."),
+        socket: Optional[str] = typer.Option(None, "--socket", help="Admin socket (default: the only running instance's)."),
+        _instance: Optional[str] = INSTANCE_OPTION,
         interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="Seconds between samples."),
         once: bool = typer.Option(False, "--once", help="Print one sample and exit (no TTY needed)."),
         json_out: bool = typer.Option(False, "--json", help="With --once: the sample as JSON."),
@@ -51,9 +53,9 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"{replay} holds no snapshots", hint="record one with `kvtier top --record FILE`")
             source = lambda: next(snapshots, None)  # noqa: E731
         else:
-            from kvtier.control.client import AdminClient
+            from kvtier.control.client import connect
 
-            client = AdminClient(socket)
+            client = connect(socket, selected_instance())
             collector = Collector(client)
             first = None
             source = collector.poll

@@ -14,15 +14,32 @@ import orjson
 
 from kvtier.errors import KvtierError, NoServerError, NotFoundError, UsageError
 
-__all__ = ["AdminClient", "default_socket_path"]
+__all__ = ["AdminClient", "connect", "default_socket_path"]
 
-NO_SERVER_HINT = "start one with `kvtier serve` (or pass --socket PATH / set KVTIER_ADMIN_SOCKET)"
+NO_SERVER_HINT = "start one with `kvtier serve` (or pass --instance NAME, --socket PATH / set KVTIER_ADMIN_SOCKET)"
 
 
 def default_socket_path() -> str:
-    from kvtier.serve import admin_socket_path
+    from kvtier.control.instances import client_socket
 
-    return os.environ.get("KVTIER_ADMIN_SOCKET") or admin_socket_path()
+    return client_socket()
+
+
+def connect(socket_path: str | None = None, instance: str | None = None, timeout: float = 10.0) -> "AdminClient":
+    """A client of the server the user means: ``--socket``, ``--instance``, ``$KVTIER_ADMIN_SOCKET``,
+    ``$KVTIER_INSTANCE``, the only running instance -- or, with ``$KVTIER_ADMIN_URL`` set and none
+    of the first four, the loopback TCP listener with the token of ``$KVTIER_ADMIN_TOKEN`` or
+    ``$KVTIER_ADMIN_TOKEN_FILE``."""
+    from kvtier.control.instances import client_socket
+
+    env = os.environ
+    if not (socket_path or instance or env.get("KVTIER_ADMIN_SOCKET") or env.get("KVTIER_INSTANCE")) \
+            and env.get("KVTIER_ADMIN_URL"):
+        from kvtier.serve import admin_token
+
+        token = admin_token(env.get("KVTIER_ADMIN_TOKEN_FILE") or None)
+        return AdminClient(timeout=timeout, url=env["KVTIER_ADMIN_URL"], token=token)
+    return AdminClient(client_socket(socket_path, instance), timeout=timeout)
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -83,7 +100,7 @@ class AdminClient:
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 self.close()
-                raise NoServerError(f"no kvtier server is listening on {self.socket_path}",
+                raise NoServerError(f"no kvtier server is listening on {self.url or self.socket_path}",
                                     hint=NO_SERVER_HINT) from None
             except (http.client.RemoteDisconnected, http.client.IncompleteRead, BrokenPipeError,
                     ConnectionResetError):

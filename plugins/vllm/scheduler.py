@@ -295,7 +295,8 @@ class KVTierScheduler:
         from kvtier.control.server import AdminServer, Ops
 
         info = {"model": self.fingerprint.model_id, "api_url": self._api_url, "kv_dtype": self.fingerprint.geometry.dtype,
-                "block_tokens": self.block_tokens}
+                "block_tokens": self.block_tokens, "instance": extra.get("instance"),
+                "revision": extra.get("revision"), "weights": self.fingerprint.weights}
         self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, extra.get("snapshot_dir"), info, hbm=self.hbm_usage,
                        cost=self.cost)
         tcp = None

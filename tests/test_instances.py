@@ -1,0 +1,260 @@
+"""Several ``kvtier serve`` instances on one box, and models named by a Hugging Face id.
+
+The registry is real files with real ``flock``s (a server killed with SIGKILL in a child process
+leaves a stale record), the servers real admin servers on real Unix sockets, the hub cache a real
+Hugging Face cache layout read by ``huggingface_hub`` with ``HF_HUB_OFFLINE=1``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import make_engine
+from kvtier.cli.main import app
+from kvtier.control.instances import (Instance, Registration, find_instance, list_instances, registry_dir,
+                                       valid_name)
+from kvtier.control.local import LocalAdmin
+from kvtier.errors import NoServerError, UsageError
+
+runner = CliRunner()
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def run_env(tmp_path, monkeypatch):
+    """A private runtime dir (registry, sockets) and settings for this test only."""
+    for key in list(os.environ):
+        if key.startswith(("KVTIER_", "HF_")):
+            monkeypatch.delenv(key)
+    env = {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
+           "XDG_CACHE_HOME": str(tmp_path / "cache"), "KVTIER_DRAM": "256MiB", "KVTIER_NVME": "256MiB",
+           "KVTIER_NVME_DIR": str(tmp_path / "nvme")}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "run").mkdir()
+    return env
+
+
+def record(name: str, port: int, sock: str, **extra) -> Instance:
+    return Instance(name=name, pid=os.getpid(), port=port, host="127.0.0.1", api_url=f"http://127.0.0.1:{port}/v1",
+                    admin_socket=sock, model="tiny", **extra)
+
+
+# ---- the registry ---------------------------------------------------------------------------------
+def test_a_name_is_held_while_its_server_lives_and_freed_when_it_is_killed(run_env, tmp_path):
+    sock = tmp_path / "run" / "gpu0.sock"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys, time\n"
+        "from kvtier.control.instances import Instance, Registration\n"
+        f"s = socket.socket(socket.AF_UNIX); s.bind({str(sock)!r}); s.listen()\n"
+        f"Registration(Instance('gpu0', 0, 8001, '127.0.0.1', 'u', {str(sock)!r}, 'tiny')).claim()\n"
+        "print('up', flush=True); time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        assert [i.name for i in list_instances()] == ["gpu0"]
+        with pytest.raises(UsageError, match="'gpu0' is already running"):
+            Registration(record("gpu0", 8002, str(tmp_path / "x.sock"))).claim()
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        assert (registry_dir() / "gpu0.json").exists() and sock.exists()  # what a killed server leaves
+        assert list_instances() == []  # stale: its lock died with it
+        assert not (registry_dir() / "gpu0.json").exists() and not sock.exists()  # both cleaned up
+        with Registration(record("gpu0", 8002, str(tmp_path / "x.sock"))):  # the name is free again
+            assert [i.port for i in list_instances()] == [8002]
+        assert list_instances() == []  # a clean stop unregisters
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_stale_record_never_removes_a_socket_a_live_server_answers_on(run_env, tmp_path):
+    import socket
+
+    live = tmp_path / "run" / "live.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(live))
+    server.listen()
+    try:
+        registry_dir().mkdir(parents=True)
+        (registry_dir() / "old.json").write_text(json.dumps(record("old", 9, str(live)).to_dict()))
+        assert list_instances() == []
+        assert not (registry_dir() / "old.json").exists() and live.exists()
+    finally:
+        server.close()
+
+
+def test_names_are_checked(run_env):
+    for bad in ("", "a/b", "../x", ".hidden", "x" * 65, "sp ace"):
+        with pytest.raises(UsageError, match="invalid instance name"):
+            valid_name(bad)
+    assert valid_name("gpu0") == "gpu0" and valid_name("8000") == "8000"
+    result = runner.invoke(app, ["serve", "--instance", "../x", "--dry-run"])
+    assert result.exit_code == 2 and "invalid instance name" in result.stderr
+
+
+def test_find_instance_by_name_port_or_alone(run_env, tmp_path):
+    assert find_instance(None) is None
+    with Registration(record("gpu0", 8001, "a.sock")):
+        assert find_instance(None).name == "gpu0"
+        with Registration(record("gpu1", 8002, "b.sock")):
+            with pytest.raises(UsageError) as many:
+                find_instance(None)
+            assert "gpu0 (port 8001" in str(many.value) and "gpu1 (port 8002" in str(many.value)
+            assert "--instance" in many.value.hint
+            assert find_instance("gpu1").admin_socket == "b.sock"
+            assert find_instance("8001").name == "gpu0"  # a port works too
+            with pytest.raises(NoServerError, match="no kvtier instance named 'gpu7'"):
+                find_instance("gpu7")
+
+
+# ---- the CLI against two real admin servers ---------------------------------------------------------
+@pytest.fixture
+def two_servers(fingerprint, hbm, tmp_path, run_env):
+    from kvtier.index import chain_block_hashes, namespace_of
+
+    made = []
+    for i, name in enumerate(("gpu0", "gpu1")):
+        engine = make_engine(fingerprint, hbm, tmp_path / name, dram_blocks=8, nvme_blocks=16)
+        keys = chain_block_hashes(list(range(i * 1000, i * 1000 + 32)), 16)
+        engine.store(f"agent-{name}", namespace_of(fingerprint.digest), keys, [0, 1], num_tokens=32)
+        sock = str(registry_dir() / f"{name}.sock")
+        admin = LocalAdmin(engine, sock, snapshot_dir=tmp_path / "snapshots").start()
+        reg = Registration(record(name, 8001 + i, sock)).claim()
+        made.append((engine, admin, reg))
+    yield made
+    for engine, admin, reg in made:
+        reg.release()
+        admin.stop()
+        engine.close(write_back=False)
+
+
+def test_the_cli_reaches_each_instance_and_asks_which_when_several_run(two_servers):
+    listed = runner.invoke(app, ["instances", "--json"])
+    assert listed.exit_code == 0, listed.output
+    doc = json.loads(listed.output)
+    assert [(i["name"], i["port"], i["reachable"], i["sessions"]) for i in doc["instances"]] == \
+        [("gpu0", 8001, True, 1), ("gpu1", 8002, True, 1)]
+    table = runner.invoke(app, ["instances"])
+    assert "gpu0" in table.output and "gpu1" in table.output and "8002" in table.output
+
+    ambiguous = runner.invoke(app, ["sessions"])
+    assert ambiguous.exit_code == 2
+    assert "2 kvtier instances are running" in ambiguous.stderr and "--instance" in ambiguous.stderr
+    for selector, session in (("gpu0", "agent-gpu0"), ("8002", "agent-gpu1")):
+        result = runner.invoke(app, ["sessions", "--json", "--instance", selector])
+        assert result.exit_code == 0, result.output
+        assert [s["session_id"] for s in json.loads(result.output)["sessions"]] == [session]
+    result = runner.invoke(app, ["inspect", "agent-gpu1", "--json", "--instance", "gpu1"])
+    assert result.exit_code == 0 and json.loads(result.output)["blocks"] == 2
+    missing = runner.invoke(app, ["status", "--instance", "gpu9"])
+    assert missing.exit_code == 3 and "gpu0 (port 8001" in missing.stderr
+    # the variable works like the flag, and an explicit socket beats both
+    result = runner.invoke(app, ["sessions", "--json"], env={"KVTIER_INSTANCE": "gpu1"})
+    assert json.loads(result.output)["sessions"][0]["session_id"] == "agent-gpu1"
+    result = runner.invoke(app, ["sessions", "--json", "--socket", two_servers[0][1].server.socket_path.as_posix()],
+                           env={"KVTIER_INSTANCE": "gpu1"})
+    assert json.loads(result.output)["sessions"][0]["session_id"] == "agent-gpu0"
+
+
+def test_a_taken_name_or_port_is_refused_before_vllm_starts(two_servers, tiny_model):
+    started = time.monotonic()
+    taken = runner.invoke(app, ["serve", str(tiny_model), "--instance", "gpu1", "--port", "18999"])
+    assert time.monotonic() - started < 3
+    assert taken.exit_code == 2 and "instance 'gpu1' is already running" in taken.stderr
+    assert "--instance NAME" in taken.stderr and taken.stderr.count("\n") == 2  # one error line, one hint
+    port = runner.invoke(app, ["serve", str(tiny_model), "--instance", "gpu2", "--port", "8002", "--dry-run"])
+    assert port.exit_code == 2 and "port 8002 is taken by kvtier instance 'gpu1'" in port.stderr
+
+
+def test_named_instances_share_one_nvme_dir_each_in_its_own_place(run_env, tiny_model, tmp_path):
+    result = runner.invoke(app, ["serve", str(tiny_model), "--instance", "gpu1", "--dry-run", "--port", "18998"])
+    assert result.exit_code == 0, result.output
+    extra = json.loads(result.stdout.split("kv-transfer-config:\n", 1)[1].rsplit("\nAPI", 1)[0])
+    extra = extra["kv_connector_extra_config"]
+    assert extra["nvme_dir"] == str(tmp_path / "nvme" / "instances" / "gpu1")
+    assert extra["instance"] == "gpu1" and extra["admin_socket"] == str(registry_dir() / "gpu1.sock")
+    unnamed = runner.invoke(app, ["serve", str(tiny_model), "--dry-run", "--port", "18997"])
+    extra = json.loads(unnamed.stdout.split("kv-transfer-config:\n", 1)[1].rsplit("\nAPI", 1)[0])
+    assert extra["kv_connector_extra_config"]["nvme_dir"] == str(tmp_path / "nvme")  # as before instances
+
+
+def test_one_disk_is_not_promised_twice(run_env, tiny_model, tmp_path):
+    """Budgets of live instances on the same filesystem count against a new one's room."""
+    free = shutil.disk_usage(tmp_path).free
+    half = free * 3 // 5
+    with Registration(record("big", 8101, "x.sock", nvme_dir=str(tmp_path / "nvme" / "instances" / "big"),
+                             nvme_bytes=half)):
+        alone = runner.invoke(app, ["serve", str(tiny_model), "--dry-run", "--port", "18996", "--nvme", str(half)])
+        assert alone.exit_code == 2, alone.output
+        assert "other kvtier instances may still fill" in alone.stderr
+    fine = runner.invoke(app, ["serve", str(tiny_model), "--dry-run", "--port", "18996", "--nvme", str(half)])
+    assert fine.exit_code == 0, fine.output
+
+
+# ---- hub ids ------------------------------------------------------------------------------------
+def lay_out_hub_cache(cache: Path, repo: str, source: Path, commit: str = COMMIT) -> Path:
+    """``source`` as the Hugging Face cache holds ``repo`` at ``commit`` (refs/main points at it)."""
+    entry = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = entry / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.is_file():
+            os.symlink(path, snapshot / path.name)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_a_hub_id_in_the_local_cache_is_served_by_its_id(run_env, tiny_model, tmp_path, monkeypatch):
+    lay_out_hub_cache(tmp_path / "hf", "kvtier-test/tiny-llama", tiny_model)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for args in ([], ["--revision", COMMIT], ["--revision", "main"]):
+        result = runner.invoke(app, ["serve", "kvtier-test/tiny-llama", *args, "--dry-run", "--port", "18995"])
+        assert result.exit_code == 0, result.output
+        cmd = result.stdout.split("vLLM command:\n", 1)[1].splitlines()[0]
+        assert "--model kvtier-test/tiny-llama" in cmd and "--served-model-name kvtier-test/tiny-llama" in cmd
+        assert ("--revision" in cmd) == bool(args) and (not args or f"--revision {args[1]}" in cmd)
+    from kvtier.weights import weights_identity
+
+    # the weights identity names the resolved snapshot: same files, another commit, another identity
+    same = weights_identity("kvtier-test/tiny-llama")
+    assert same == weights_identity("kvtier-test/tiny-llama", COMMIT) and same != weights_identity(tiny_model)
+    lay_out_hub_cache(tmp_path / "hf2", "kvtier-test/tiny-llama", tiny_model, commit="f" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf2"))
+    assert weights_identity("kvtier-test/tiny-llama") not in (same, "")
+
+
+@pytest.mark.parametrize("how", ["offline", "hub unreachable"])
+def test_a_hub_id_that_cannot_be_resolved_exits_2_with_one_line_fast(run_env, tmp_path, monkeypatch, how):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    if how == "offline":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:  # a closed port: the hub cannot be asked (as on a box with no network)
+        monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "serve", "org/missing", "--port", "18994"],
+                            capture_output=True, text=True, env=dict(os.environ), timeout=60)
+    took = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and "org/missing" in lines[0]
+    assert lines[1].startswith("hint: ")
+    assert ("HF_HUB_OFFLINE" in lines[0]) == (how == "offline")
+    assert took < 3, f"{took:.1f} s"
+
+
+def test_revision_is_for_hub_ids(run_env, tiny_model):
+    result = runner.invoke(app, ["serve", str(tiny_model), "--revision", "main", "--dry-run"])
+    assert result.exit_code == 2 and "--revision is for hub ids" in result.stderr
+    owned = runner.invoke(app, ["serve", str(tiny_model), "--dry-run", "--", "--revision", "x"])
+    assert owned.exit_code == 2 and "--revision is set by kvtier serve" in owned.stderr
