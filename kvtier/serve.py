@@ -552,6 +552,7 @@ def vllm_command(
     token: str | None = None,
     revision: str | None = None,
     instance: str | None = None,
+    commit: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """argv and environment for vLLM's OpenAI server with kvtier's connector.
 
@@ -569,6 +570,8 @@ def vllm_command(
     extra_config["instance"] = instance or str(port)
     if revision:
         extra_config["revision"] = revision
+    if commit:  # a hub id resolved in the local cache: the snapshot it will load
+        extra_config["commit"] = commit
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_path), "--host", host, "--port", str(port),
            "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]

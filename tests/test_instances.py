@@ -258,3 +258,116 @@ def test_revision_is_for_hub_ids(run_env, tiny_model):
     assert result.exit_code == 2 and "--revision is for hub ids" in result.stderr
     owned = runner.invoke(app, ["serve", str(tiny_model), "--dry-run", "--", "--revision", "x"])
     assert owned.exit_code == 2 and "--revision is set by kvtier serve" in owned.stderr
+
+
+# ---- the box-wide kvtier top -----------------------------------------------------------------------
+def test_top_shows_the_box_switches_and_lists_all_sessions(two_servers):
+    once = runner.invoke(app, ["top", "--once", "--json"])
+    assert once.exit_code == 0, once.output
+    doc = json.loads(once.output)
+    assert doc["instance"] == "gpu0" and [i["name"] for i in doc["instances"]] == ["gpu0", "gpu1"]
+    assert all(i["connected"] and i["sessions"] == 1 and i["dram_used"] > 0 for i in doc["instances"])
+    assert [s["session_id"] for s in doc["sessions"]] == ["agent-gpu0"]
+    picked = json.loads(runner.invoke(app, ["top", "--once", "--json", "--instance", "8002"]).output)
+    assert picked["instance"] == "gpu1" and [s["session_id"] for s in picked["sessions"]] == ["agent-gpu1"]
+    every = json.loads(runner.invoke(app, ["top", "--once", "--json", "--all"]).output)
+    assert sorted((s["instance"], s["session_id"]) for s in every["sessions"]) == \
+        [("gpu0", "agent-gpu0"), ("gpu1", "agent-gpu1")]
+    text = runner.invoke(app, ["top", "--once"])
+    assert "instances on this box" in text.output and "▶ gpu0" in text.output and "gpu1" in text.output
+
+
+def test_top_switches_instance_and_acts_on_the_right_one(two_servers):
+    """In the dashboard (Textual's Pilot, real servers): i shows the next instance, a lists every
+    instance's sessions, and an action on a row goes to that row's instance."""
+    import asyncio
+
+    from kvtier.tui.app import TopApp
+    from kvtier.tui.collector import BoxCollector
+
+    box = BoxCollector()
+    box.select(None)
+    top = TopApp(box.poll, interval=0.2, client=box.client(None), box=box)
+
+    async def drive() -> None:
+        async with top.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: top.snapshot is not None and top.snapshot.instance == "gpu0")
+            assert top.query_one("#box").display  # two instances: the box panel is shown
+            await pilot.press("i")
+            await wait_for(pilot, lambda: top.snapshot.instance == "gpu1")
+            assert top.selected_session() == "agent-gpu1"
+            await pilot.press("a")
+            await wait_for(pilot, lambda: top.snapshot.all_sessions and len(top.snapshot.sessions) == 2)
+            top.filter = "gpu0"  # the row of the other instance
+            top._sessions(top.snapshot)
+            assert top.selected_session() == "agent-gpu0"
+            await pilot.press("p", "d")  # pin to DRAM: must reach gpu0's server, not the shown gpu1
+            await wait_for(pilot, lambda: any(r.pinned for r in top.snapshot.sessions))
+
+    asyncio.run(drive())
+    result = runner.invoke(app, ["sessions", "--json", "--instance", "gpu0"])
+    assert json.loads(result.output)["sessions"][0]["pinned"] == "dram"
+    result = runner.invoke(app, ["sessions", "--json", "--instance", "gpu1"])
+    assert json.loads(result.output)["sessions"][0]["pinned"] is None
+
+
+async def wait_for(pilot, condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await pilot.pause(0.1)
+
+
+class FakeNvml:
+    """NVML's API for a box with four GPUs (this machine has none): the thing under test is how
+    kvtier maps CUDA_VISIBLE_DEVICES to NVML's GPUs and sums them, not NVML."""
+
+    NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1
+
+    class Memory:
+        def __init__(self, used, total):
+            self.used, self.total = used, total
+
+    def nvmlDeviceGetUUID(self, handle):  # noqa: N802 - NVML's names
+        return f"GPU-{handle:08d}-aaaa"
+
+    def nvmlDeviceGetName(self, handle):  # noqa: N802
+        return b"H200"
+
+    def nvmlDeviceGetPcieThroughput(self, handle, which):  # noqa: N802
+        return (handle + 1) * (10 if which == self.NVML_PCIE_UTIL_RX_BYTES else 1)  # KB/s
+
+    def nvmlDeviceGetMemoryInfo(self, handle):  # noqa: N802
+        return self.Memory((handle + 1) << 30, 141 << 30)
+
+    def __getattr__(self, name):
+        raise AttributeError(name)
+
+
+def test_gpus_of_an_instance_from_cuda_visible_devices():
+    from kvtier.control.gpu import select_gpus
+    from kvtier.tui.collector import Nvml
+
+    nvml, handles = FakeNvml(), [0, 1, 2, 3]
+    assert select_gpus(nvml, handles, None) == [0, 1, 2, 3]
+    assert select_gpus(nvml, handles, ["2", "3"]) == [2, 3]
+    assert select_gpus(nvml, handles, ["GPU-00000001"]) == [1]  # a UUID prefix, as CUDA accepts
+    assert select_gpus(nvml, handles, ["7", "MIG-xyz"]) == []
+    pair = Nvml(["1", "3"], (nvml, handles, None))
+    sample = pair.sample()
+    assert sample["hbm_used"] == (2 + 4) << 30 and sample["pcie_to_gpu"] == (20 + 40) * 1024
+    assert pair.name.startswith("2× H200")
+    assert [row["hbm_used"] for row in pair.per_gpu()] == [float(i << 30) for i in (1, 2, 3, 4)]
+    nothing = Nvml(["7"], (nvml, handles, None))
+    assert nothing.sample() is None and "names no GPU" in nothing.reason
+
+
+def test_box_collector_says_which_instances_use_each_gpu(run_env):
+    from kvtier.tui.collector import BoxCollector
+
+    fake = [record("gpu0", 8001, "/nonexistent/a.sock", gpus=["0"]),
+            record("tp", 8002, "/nonexistent/b.sock", gpus=["2", "3"])]
+    box = BoxCollector(nvml_opened=(FakeNvml(), [0, 1, 2, 3], None), list_instances=lambda: fake)
+    snap = box.poll()
+    assert [g.instances for g in snap.gpus] == [("gpu0",), (), ("tp",), ("tp",)]
+    assert [(i.name, i.gpus, i.connected) for i in snap.instances] == [("gpu0", ("0",), False), ("tp", ("2", "3"), False)]

@@ -1,7 +1,8 @@
 """``kvtier top``: the Textual dashboard. Widgets only render the latest ``Snapshot``; a thread worker
 polls the source (the collector, or a recording) and schedules its own next poll.
 
-Keys: p pin/unpin, e evict, s snapshot, r restore, / filter, o sort, enter details, ? help, q quit.
+Keys: p pin/unpin, e evict, s snapshot, r restore, / filter, o sort, enter details, i next instance,
+a all instances' sessions, ? help, q quit.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
+from kvtier.control.client import AdminClient
 from kvtier.errors import KvtierError
-from kvtier.tui.model import Snapshot, SessionRow
+from kvtier.tui.model import SessionRow, Snapshot
 
 __all__ = ["TopApp", "human_bytes", "human_rate"]
 
@@ -34,6 +36,8 @@ HELP = """\
  /      filter: part of a session id, or a state (hot warm cold
         pinned gone); empty shows all
  o      change the sort order
+ i      next kvtier instance (when several run on the box)
+ a      all instances' sessions in one list, or the shown one's
  ↑↓ PgUp PgDn Home End   move;   enter   session details
  ?      this help;   q   quit
 
@@ -144,6 +148,32 @@ class TiersPanel(Panel):
             age = f" {snap.dirty_age_s:.0f}s" if snap.dirty_bytes and snap.dirty_age_s is not None else ""
             text.append(f"{short_bytes(snap.dirty_bytes)}{age}",
                         style="yellow" if snap.dirty_bytes and (snap.dirty_age_s or 0) > 30 else "")
+        return text
+
+
+class BoxPanel(Panel):
+    """The box when it runs several instances or has several GPUs: one line per instance (its
+    GPUs, DRAM and NVMe tiers, sessions), one per GPU (HBM, PCIe, who uses it)."""
+
+    def render(self) -> Text:
+        snap = self.snapshot
+        text = Text("Box\n", style="bold")
+        if snap is None:
+            return text
+        for inst in snap.instances:
+            mark = "▶ " if inst.name == snap.instance else "  "
+            gpus = "all GPUs" if inst.gpus is None else ("GPU " + ",".join(inst.gpus) if inst.gpus else "no GPU")
+            state = "" if inst.connected else "  (not answering)"
+            text.append(f"{mark}{inst.name:<10}", style="bold" if mark.strip() else "")
+            text.append(f" :{inst.port:<5} {inst.model[:24]:<24} {gpus:<10} "
+                        f"DRAM {short_bytes(inst.dram_used)}/{short_bytes(inst.dram_capacity)}  "
+                        f"NVMe {short_bytes(inst.nvme_used)}/{short_bytes(inst.nvme_capacity)}  "
+                        f"{inst.sessions} sessions{state}\n")
+        for gpu in snap.gpus:
+            hbm = f"{short_bytes(gpu.hbm_used)}/{short_bytes(gpu.hbm_total)}"
+            users = ",".join(gpu.instances) or "-"
+            text.append(f"  GPU{gpu.index} {gpu.name[:20]:<20} HBM {hbm:>11}  PCIe ↓{human_rate(gpu.pcie_to_gpu)} "
+                        f"↑{human_rate(gpu.pcie_from_gpu)}  {users}\n")
         return text
 
 
@@ -331,17 +361,20 @@ class TopApp(App):
     #links { width: 1fr; height: 100%; padding: 0 1; }
     #sessions { height: 1fr; }
     #jobs { height: 3; padding: 0 1; border-top: solid $primary; }
+    #box { height: auto; max-height: 12; padding: 0 1; border-bottom: solid $primary; }
     """
     BINDINGS = [
         Binding("p", "pin", "pin"), Binding("e", "evict", "evict"), Binding("s", "snapshot", "snapshot"),
         Binding("r", "restore", "restore"), Binding("slash", "filter", "filter"), Binding("o", "sort", "sort"),
+        Binding("i", "next_instance", "instance", show=False), Binding("a", "all_instances", "all", show=False),
         Binding("question_mark", "help", "help"), Binding("q", "quit", "quit"),
     ]
 
     def __init__(self, source: Callable[[], Snapshot | None], interval: float = 1.0, client=None,
-                 record: Callable[[Snapshot], None] | None = None, first: Snapshot | None = None):
+                 record: Callable[[Snapshot], None] | None = None, first: Snapshot | None = None, box=None):
         super().__init__()
         self.source, self.interval, self.client, self.record = source, interval, client, record
+        self.box = box  # a BoxCollector when the dashboard shows the whole box
         self.snapshot: Snapshot | None = first
         self.filter = ""
         self.sort = 0
@@ -360,6 +393,7 @@ class TopApp(App):
     def compose(self) -> ComposeResult:
         yield Header(id="header")
         yield Static(id="banner")
+        yield BoxPanel(id="box")
         with Horizontal(id="panels"):
             yield TiersPanel(id="tiers")
             yield LinksPanel(id="links")
@@ -371,6 +405,7 @@ class TopApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.query_one("#box", BoxPanel).display = False  # until a snapshot shows several instances or GPUs
         self.query_one("#sessions", DataTable).focus()
         if self.snapshot is not None:
             self.show(self.snapshot)
@@ -420,6 +455,10 @@ class TopApp(App):
             banner.display = bool(snapshot.banners)
         for panel in self.query(Panel):
             panel.show(snapshot)
+        box = self.query_one("#box", BoxPanel)
+        wanted = len(snapshot.instances) > 1 or len(snapshot.gpus) > 1
+        if box.display != wanted:
+            box.display = wanted
         self._sessions(snapshot)
         self.shown += 1
 
@@ -434,6 +473,8 @@ class TopApp(App):
         states = " ".join(f"{counts[state]} {state}" for state in ("hot", "warm", "cold", "pinned", "gone")
                           if counts.get(state))
         server = snap.model or "?" if snap.connected else "no server"
+        if snap.instance and len(snap.instances) > 1:
+            server = f"[{snap.instance}] {server}" + (" · all instances" if snap.all_sessions else "")
         shown = f"{len(self._rows_all)}/{len(snap.sessions)}" if self.filter else f"{len(snap.sessions)}"
         extra = f" · filter '{self.filter}'" if self.filter else ""
         header.set(f"{time.strftime('%H:%M:%S', time.localtime(snap.taken))} {server} │ {shown} sessions: "
@@ -443,7 +484,8 @@ class TopApp(App):
         rows = list(snap.sessions)
         if self.filter:
             needle = self.filter.lower()
-            rows = [r for r in rows if needle == r.state or needle in r.session_id.lower()]
+            rows = [r for r in rows if needle == r.state or needle in r.session_id.lower()
+                    or needle == (r.instance or "").lower()]
         key = SORTS[self.sort]
         if key == "last use":
             rows.sort(key=lambda r: -r.last_use)
@@ -457,10 +499,16 @@ class TopApp(App):
             rows.sort(key=lambda r: (r.state, r.session_id))
         return rows
 
+    @staticmethod
+    def _key(row: SessionRow) -> str:
+        """A row's identity: the session id, with its instance in the all-instances view (two
+        instances may both have an ``agent-1``)."""
+        return f"{row.instance}/{row.session_id}" if row.instance else row.session_id
+
     def _cells(self, row: SessionRow) -> tuple:
         codec = row.codec_dram if row.codec_dram == row.codec_nvme else f"{row.codec_dram}/{row.codec_nvme}"
         state = row.state + (f"·{row.pinned}" if row.pinned else "")
-        return (row.session_id, Text(state, style=STATE_STYLE.get(row.state, "")), f"{row.tokens:,}",
+        return (self._key(row), Text(state, style=STATE_STYLE.get(row.state, "")), f"{row.tokens:,}",
                 human_bytes(row.bytes_dram) if row.bytes_dram else "-",
                 human_bytes(row.bytes_nvme) if row.bytes_nvme else "-", codec, idle_text(self._idle(row)),
                 self._next_turn(row), f"#{row.job}" if row.job else "")
@@ -478,18 +526,18 @@ class TopApp(App):
     def _sessions(self, snap: Snapshot) -> None:
         rows = self._rows(snap)
         self._rows_all = rows
-        index = {r.session_id: i for i, r in enumerate(rows)}
+        index = {self._key(r): i for i, r in enumerate(rows)}
         if self._selected in index:
             self._cursor = index[self._selected]
         self._cursor = min(max(self._cursor, 0), max(0, len(rows) - 1))
-        self._selected = rows[self._cursor].session_id if rows else None
+        self._selected = self._key(rows[self._cursor]) if rows else None
         self._draw_window()
 
     def move_selection(self, delta: int) -> None:
         if not self._rows_all:
             return
         self._cursor = min(max(self._cursor + delta, 0), len(self._rows_all) - 1)
-        self._selected = self._rows_all[self._cursor].session_id
+        self._selected = self._key(self._rows_all[self._cursor])
         self._draw_window()
 
     def _idle(self, row: SessionRow) -> float:
@@ -519,7 +567,7 @@ class TopApp(App):
                 for (column, _), a, b in zip(COLUMNS, old, new):
                     if a != b:
                         table.update_cell(str(position), column, b)
-        self._keys = [r.session_id for r in window]
+        self._keys = [self._key(r) for r in window]
         self._drawn = cells
         if cells:
             row = self._cursor - self._top
@@ -536,26 +584,34 @@ class TopApp(App):
             self.move_selection(self._top + position - self._cursor)
 
     def selected_session(self) -> str | None:
-        return self._selected
+        row = self._row(self._selected) if self._selected else None
+        return row.session_id if row is not None else self._selected
 
-    def _row(self, session_id: str) -> SessionRow | None:
+    def _row(self, key: str) -> SessionRow | None:
         if self.snapshot is None:
             return None
-        return next((r for r in self.snapshot.sessions if r.session_id == session_id), None)
+        return next((r for r in self.snapshot.sessions if self._key(r) == key), None)
+
+    def _client_for(self, session: str | None = None):
+        """The admin client of the selected row's instance (the shown one's outside the all view)."""
+        if self.box is None:
+            return self.client
+        row = self._row(self._selected) if self._selected else None
+        return self.box.client(row.instance if row is not None and row.instance else None)
 
     # ---- actions -------------------------------------------------------------------------------
     def _need_session(self) -> str | None:
         session = self.selected_session()
         if session is None:
             self.notify("no session selected", severity="warning")
-        elif self.client is None:
+        elif self._client_for() is None:
             self.notify("replaying a recording: read-only", severity="warning")
             return None
         return session
 
     def _post(self, label: str, path: str, body: dict) -> None:
         """Send a write in a thread; report the job, follow it in the jobs panel."""
-        client = self.client
+        client = self._client_for()
 
         def run() -> None:
             try:
@@ -578,12 +634,12 @@ class TopApp(App):
             return
         row = self._row(session)
         if row is not None and row.pinned:
-            self._post(f"unpin {session}", self.client.session_path(session, "unpin"), {})
+            self._post(f"unpin {session}", AdminClient.session_path(session, "unpin"), {})
             return
 
         def chosen(tier: str | None) -> None:
             if tier:
-                self._post(f"pin {session} to {tier}", self.client.session_path(session, "pin"), {"tier": tier})
+                self._post(f"pin {session} to {tier}", AdminClient.session_path(session, "pin"), {"tier": tier})
 
         self.push_screen(Choice(f"pin {session} to:", {"d": ("dram", "DRAM (never demoted)"),
                                                         "n": ("nvme", "NVMe (never dropped)")}), chosen)
@@ -595,14 +651,14 @@ class TopApp(App):
 
         def confirmed(yes: str | None) -> None:
             if yes == "yes":
-                self._post(f"drop {session}", self.client.session_path(session, "evict"), {"to": "drop"})
+                self._post(f"drop {session}", AdminClient.session_path(session, "evict"), {"to": "drop"})
 
         def chosen(to: str | None) -> None:
             if to == "drop":
                 self.push_screen(Choice(f"drop every block of {session}? It will need a full prefill.",
                                         {"y": ("yes", "yes, drop it"), "n": ("no", "no")}), confirmed)
             elif to:
-                self._post(f"evict {session} to {to}", self.client.session_path(session, "evict"), {"to": to})
+                self._post(f"evict {session} to {to}", AdminClient.session_path(session, "evict"), {"to": to})
 
         self.push_screen(Choice(f"evict {session}:", {"d": ("dram", "to DRAM (off the NVMe-only path)"),
                                                       "n": ("nvme", "to NVMe (frees DRAM)"),
@@ -619,12 +675,12 @@ class TopApp(App):
             if path is None:
                 return
             body = {"path": path.strip()} if path.strip() and path.strip() != default else {}
-            self._post(f"snapshot {session}", self.client.session_path(session, "snapshot"), body)
+            self._post(f"snapshot {session}", AdminClient.session_path(session, "snapshot"), body)
 
         self.push_screen(Ask(f"snapshot {session} to:", default), given)
 
     def action_restore(self) -> None:
-        if self.client is None:
+        if self._client_for() is None:
             self.notify("replaying a recording: read-only", severity="warning")
             return
         session = self.selected_session()
@@ -654,6 +710,20 @@ class TopApp(App):
             self._sessions(self.snapshot)
             self._header(self.snapshot)
 
+    def action_next_instance(self) -> None:
+        if self.box is None or len(self.box.names()) < 2:
+            self.notify("one kvtier instance on this box", severity="information")
+            return
+        self.notify(f"instance {self.box.cycle()}", timeout=2)
+        self.poll_now()
+
+    def action_all_instances(self) -> None:
+        if self.box is None:
+            self.notify("one kvtier instance (started with --socket)", severity="information")
+            return
+        self.box.all_sessions = not self.box.all_sessions
+        self.poll_now()
+
     def action_help(self) -> None:
         self.push_screen(Page("kvtier top: keys", HELP))
 
@@ -673,7 +743,11 @@ class TopApp(App):
                                          f"{row.decision}" if row.restore_s is not None else
                                          "no cost model yet (the engine has not timed enough prefill)"),
                  f"{'job':<12}{'#' + str(row.job) if row.job else 'none in flight'}"]
-        jobs = [j for j in (self.snapshot.jobs if self.snapshot else ()) if j.session_id == session][:5]
+        if row.last_turn:
+            lines.append(f"{'last turn':<12}{row.last_turn}")
+        if row.instance:
+            lines.append(f"{'instance':<12}{row.instance}")
+        jobs = [j for j in (self.snapshot.jobs if self.snapshot else ()) if j.session_id == row.session_id][:5]
         if jobs:
             lines += ["", "recent jobs:"] + [f"  #{j.id} {j.kind} {j.state} {human_bytes(j.bytes)}" for j in jobs]
         self.push_screen(Page(f"session {session}", "\n".join(lines)))

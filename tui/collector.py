@@ -11,12 +11,12 @@ from collections import deque
 from typing import Any, Callable, Iterator
 
 from kvtier.control.client import AdminClient
-from kvtier.control.gpu import gpu_link, open_gpu
+from kvtier.control.gpu import gpu_link, open_gpus, select_gpus
 from kvtier.errors import KvtierError, NoServerError
 
-from kvtier.tui.model import JobRow, Link, SessionRow, Snapshot, Tier
+from kvtier.tui.model import GpuRow, InstanceRow, JobRow, Link, SessionRow, Snapshot, Tier
 
-__all__ = ["Collector", "Nvml", "replay"]
+__all__ = ["BoxCollector", "Collector", "Nvml", "replay"]
 
 # kvtier's byte counter per link -> the label the dashboard shows
 KVTIER_LINKS = (("load", "DRAM→HBM"), ("store", "HBM→DRAM"), ("demote", "DRAM→NVMe"),
@@ -25,31 +25,61 @@ HISTORY = 60
 
 
 class Nvml:
-    """GPU telemetry through nvidia-ml-py, when a GPU and its driver are there."""
+    """GPU telemetry through nvidia-ml-py, when a GPU and its driver are there: the GPUs of one
+    instance (``devices``: its ``CUDA_VISIBLE_DEVICES``; None: every GPU), summed, and every GPU of
+    the box one by one."""
 
-    def __init__(self) -> None:
-        self.nvml, self.handle, why = open_gpu()
+    def __init__(self, devices: list[str] | tuple[str, ...] | None = None, opened: tuple | None = None) -> None:
+        self.nvml, self.handles, why = opened if opened is not None else open_gpus()
+        self.indexes = select_gpus(self.nvml, self.handles, devices) if self.handles else []
+        if self.handles and not self.indexes:
+            why = f"CUDA_VISIBLE_DEVICES={','.join(devices or ())} names no GPU NVML sees"
         self.reason = f"{why}: HBM and PCIe show N/A" if why else None
+        self.handle = self.handles[self.indexes[0]] if self.indexes else None
         self.name = None
         if self.handle is not None:
             link = gpu_link(self.nvml, self.handle)
             self.name = link.get("name")
             if link.get("gen"):
                 self.name = f"{self.name} (PCIe gen{link['gen']} x{link['width']})"
+            if len(self.indexes) > 1:
+                self.name = f"{len(self.indexes)}× {self.name}"
+
+    def _one(self, handle: Any) -> dict[str, float]:
+        nvml = self.nvml
+        tx = nvml.nvmlDeviceGetPcieThroughput(handle, nvml.NVML_PCIE_UTIL_TX_BYTES) * 1024.0
+        rx = nvml.nvmlDeviceGetPcieThroughput(handle, nvml.NVML_PCIE_UTIL_RX_BYTES) * 1024.0
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return {"pcie_to_gpu": rx, "pcie_from_gpu": tx, "hbm_used": float(memory.used),
+                "hbm_total": float(memory.total)}
 
     def sample(self) -> dict[str, float] | None:
-        """PCIe bytes/s each way (NVML's own 20 ms window) and HBM bytes in use."""
-        if self.handle is None:
+        """PCIe bytes/s each way (NVML's own 20 ms window) and HBM bytes in use, summed over the
+        selected GPUs."""
+        if not self.indexes:
             return None
         try:
-            nvml = self.nvml
-            tx = nvml.nvmlDeviceGetPcieThroughput(self.handle, nvml.NVML_PCIE_UTIL_TX_BYTES) * 1024.0
-            rx = nvml.nvmlDeviceGetPcieThroughput(self.handle, nvml.NVML_PCIE_UTIL_RX_BYTES) * 1024.0
-            memory = nvml.nvmlDeviceGetMemoryInfo(self.handle)
-            return {"pcie_to_gpu": rx, "pcie_from_gpu": tx, "hbm_used": float(memory.used),
-                    "hbm_total": float(memory.total)}
+            total: dict[str, float] = {}
+            for index in self.indexes:
+                for key, value in self._one(self.handles[index]).items():
+                    total[key] = total.get(key, 0.0) + value
+            return total
         except Exception:  # noqa: BLE001 - a GPU that went away must not stop the dashboard
             return None
+
+    def per_gpu(self) -> list[dict[str, Any]]:
+        """Every GPU of the box: index, name and the figures of :meth:`sample` (None when unreadable)."""
+        rows = []
+        for index, handle in enumerate(self.handles):
+            try:
+                name = self.nvml.nvmlDeviceGetName(handle)
+                row: dict[str, Any] = {"index": index, "name": name.decode() if isinstance(name, bytes) else name,
+                                       **self._one(handle)}
+            except Exception:  # noqa: BLE001
+                row = {"index": index, "name": "?", "pcie_to_gpu": None, "pcie_from_gpu": None,
+                       "hbm_used": None, "hbm_total": None}
+            rows.append(row)
+        return rows
 
 
 class Collector:
@@ -199,3 +229,96 @@ def replay(path: str) -> Iterator[Snapshot]:
             except (ValueError, TypeError, KeyError) as exc:
                 raise UsageError(f"{path}:{number}: not a kvtier top recording ({exc})",
                                  hint="record one with `kvtier top --record FILE`") from None
+
+
+class BoxCollector:
+    """Every ``kvtier serve`` instance of the box (the registry), one :class:`Collector` each.
+
+    ``poll()`` returns the selected instance's snapshot with the box around it: every instance's
+    tiers and sessions count, every GPU's HBM and PCIe (with the instances that use it), and -- in
+    the all-sessions view -- every instance's sessions, each row naming its instance."""
+
+    def __init__(self, selected: str | None = None, nvml_opened: tuple | None = None,
+                 list_instances: Callable[[], list] | None = None, disk: Callable[[], Any] | None = None,
+                 clock: Callable[[], float] = time.time):
+        from kvtier.control import instances
+
+        self._list = list_instances or instances.list_instances
+        self._opened = nvml_opened if nvml_opened is not None else open_gpus()
+        self._box = Nvml(None, self._opened)
+        self._disk, self._clock = disk, clock
+        self.selected = selected
+        self.all_sessions = False
+        self._collectors: dict[str, tuple[Any, Collector]] = {}  # name -> (its record, its collector)
+
+    def names(self) -> list[str]:
+        return sorted(self._collectors)
+
+    def client(self, name: str | None) -> AdminClient | None:
+        entry = self._collectors.get(name or self.selected or "")
+        return entry[1].client if entry else None
+
+    def select(self, selector: str | None) -> str | None:
+        """Show the instance named ``selector`` (or listening on that port); None: the first."""
+        self._refresh()
+        for name, (inst, _collector) in self._collectors.items():
+            if selector in (name, str(inst.port)):
+                self.selected = name
+        return self.selected
+
+    def cycle(self, step: int = 1) -> str | None:
+        """Select the next instance (by name)."""
+        names = self.names()
+        if names:
+            at = names.index(self.selected) if self.selected in names else -1
+            self.selected = names[(at + step) % len(names)]
+        return self.selected
+
+    def _refresh(self) -> None:
+        live = {inst.name: inst for inst in self._list()}
+        for name in list(self._collectors):
+            record, collector = self._collectors[name]
+            if name not in live or live[name].pid != record.pid:
+                collector.client.close()
+                del self._collectors[name]
+        for name, inst in live.items():
+            if name not in self._collectors:
+                client = AdminClient(inst.admin_socket, timeout=2.0)
+                nvml = Nvml(inst.gpus, self._opened)
+                self._collectors[name] = (inst, Collector(client, nvml=nvml, disk=self._disk, clock=self._clock))
+        if self.selected not in self._collectors:
+            names = self.names()
+            self.selected = names[0] if names else self.selected
+
+    def poll(self) -> Snapshot:
+        from dataclasses import replace
+
+        self._refresh()
+        if not self._collectors:
+            now = self._clock()
+            return Snapshot(taken=now, connected=False, banners=("no kvtier instance is running on this box "
+                                                                 "(start one with `kvtier serve`; retrying)",))
+        snapshots = {name: collector.poll() for name, (_inst, collector) in sorted(self._collectors.items())}
+        rows = []
+        for name, snap in snapshots.items():
+            inst = self._collectors[name][0]
+            tiers = {t.name: t for t in snap.tiers}
+            dram, nvme = tiers.get("dram"), tiers.get("nvme")
+            rows.append(InstanceRow(name, inst.port, snap.model or inst.model,
+                                    None if inst.gpus is None else tuple(inst.gpus), snap.connected,
+                                    len(snap.sessions), dram.used_bytes if dram else None,
+                                    dram.capacity_bytes if dram else None, nvme.used_bytes if nvme else None,
+                                    nvme.capacity_bytes if nvme else None))
+        users: dict[int, list[str]] = {}
+        for name, (_inst, collector) in self._collectors.items():
+            for index in collector.nvml.indexes:
+                users.setdefault(index, []).append(name)
+        gpus = tuple(GpuRow(g["index"], g["name"], g["hbm_used"], g["hbm_total"], g["pcie_to_gpu"],
+                            g["pcie_from_gpu"], tuple(sorted(users.get(g["index"], ()))))
+                     for g in self._box.per_gpu())
+        shown = snapshots[self.selected]
+        sessions = shown.sessions
+        if self.all_sessions:
+            sessions = tuple(replace(row, instance=name) for name, snap in snapshots.items() for row in snap.sessions)
+        return replace(shown, instance=self.selected, instances=tuple(rows), gpus=gpus, sessions=sessions,
+                       all_sessions=self.all_sessions)

@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["Tier", "Link", "SessionRow", "JobRow", "Snapshot", "SNAPSHOT_VERSION"]
+__all__ = ["GpuRow", "InstanceRow", "Tier", "Link", "SessionRow", "JobRow", "Snapshot", "SNAPSHOT_VERSION"]
 
 SNAPSHOT_VERSION = 1
 
@@ -56,6 +56,37 @@ class SessionRow:
     decision: str | None = None  # the cost model's choice for its next turn: load | recompute
     restore_s: float | None = None
     recompute_s: float | None = None
+    instance: str | None = None  # set in the all-instances view
+    last_turn: str | None = None  # why its last turn loaded what it did (or recomputed)
+
+
+@dataclass(frozen=True)
+class InstanceRow:
+    """One ``kvtier serve`` on the box, as the box view lists it."""
+
+    name: str
+    port: int
+    model: str
+    gpus: tuple[str, ...] | None  # CUDA_VISIBLE_DEVICES; None: not set
+    connected: bool
+    sessions: int = 0
+    dram_used: int | None = None
+    dram_capacity: int | None = None
+    nvme_used: int | None = None
+    nvme_capacity: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    """One GPU of the box, from NVML."""
+
+    index: int
+    name: str
+    hbm_used: float | None
+    hbm_total: float | None
+    pcie_to_gpu: float | None
+    pcie_from_gpu: float | None
+    instances: tuple[str, ...] = ()  # the instances that use it
 
 
 @dataclass(frozen=True)
@@ -86,6 +117,10 @@ class Snapshot:
     gpu: str | None = None
     dirty_bytes: int | None = None  # DRAM KV with no NVMe copy yet (a crash would lose it)
     dirty_age_s: float | None = None  # age of the oldest such block
+    instance: str | None = None  # the instance shown (several may run on the box)
+    instances: tuple[InstanceRow, ...] = ()
+    gpus: tuple[GpuRow, ...] = ()
+    all_sessions: bool = False  # sessions of every instance, each row naming its own
     version: int = field(default=SNAPSHOT_VERSION)
 
     def to_json(self) -> str:
@@ -103,6 +138,9 @@ class Snapshot:
         doc["hit_rates"] = tuple((name, rate) for name, rate in doc.get("hit_rates", ()))
         doc["sessions"] = tuple(SessionRow(**s) for s in doc.get("sessions", ()))
         doc["jobs"] = tuple(JobRow(**j) for j in doc.get("jobs", ()))
+        doc["instances"] = tuple(InstanceRow(**{**i, "gpus": None if i.get("gpus") is None else tuple(i["gpus"])})
+                                 for i in doc.get("instances", ()))
+        doc["gpus"] = tuple(GpuRow(**{**g, "instances": tuple(g.get("instances", ()))}) for g in doc.get("gpus", ()))
         return cls(**doc)
 
     @classmethod

@@ -163,7 +163,7 @@ def serve(
         model_path = source.arg
     cmd, env = srv.vllm_command(model_path, settings, host, port, kv_cache_dtype, extra, admin_socket=sock,
                                 admin_tcp=admin_tcp.replace("[::1]", "::1") if admin_tcp else None, token=token,
-                                revision=revision, instance=name)
+                                revision=revision, instance=name, commit=source.commit if source else None)
     url = srv.api_url(host, port)
 
     if dry_run:

@@ -26,8 +26,10 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="With --once: the sample as JSON."),
         record: Optional[Path] = typer.Option(None, "--record", help="Append every sample to FILE (JSON lines)."),
         replay: Optional[Path] = typer.Option(None, "--replay", help="Show a recording instead of a live server."),
+        all_sessions: bool = typer.Option(False, "--all", help="Every instance's sessions in one list (key a)."),
     ) -> None:
-        """Live dashboard: tier occupancy, link throughput, hit rates, sessions and jobs, with keys to act."""
+        """Live dashboard: tier occupancy, link throughput, hit rates, sessions and jobs, with keys to act.
+        With several instances on the box it shows them all (HBM and PCIe per GPU); i switches."""
         from kvtier.tui.collector import Collector, replay as read_recording
 
         if json_out and not once:
@@ -45,7 +47,7 @@ def register(app: typer.Typer) -> None:
                 handle.write(snapshot.to_json() + "\n")
                 handle.flush()
 
-        client = None
+        client = box = None
         if replay is not None:
             snapshots = read_recording(str(replay))
             first = next(snapshots, None)
@@ -53,10 +55,27 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"{replay} holds no snapshots", hint="record one with `kvtier top --record FILE`")
             source = lambda: next(snapshots, None)  # noqa: E731
         else:
-            from kvtier.control.client import connect
+            import os
 
-            client = connect(socket, selected_instance())
-            collector = Collector(client)
+            from kvtier.control.client import connect
+            from kvtier.control.instances import find_instance, list_instances
+
+            box = None
+            chosen = selected_instance() or os.environ.get("KVTIER_INSTANCE")
+            direct = socket or os.environ.get("KVTIER_ADMIN_SOCKET") or os.environ.get("KVTIER_ADMIN_URL")
+            if not direct and (list_instances() or chosen):
+                if chosen:
+                    find_instance(chosen)  # a name nothing runs under: the usual error, listing what runs
+                from kvtier.tui.collector import BoxCollector
+
+                box = BoxCollector()
+                box.select(chosen)
+                box.all_sessions = all_sessions
+                client = box.client(None)
+                collector = box
+            else:
+                client = connect(socket, selected_instance())
+                collector = Collector(client)
             first = None
             source = collector.poll
         if once:
@@ -73,7 +92,8 @@ def register(app: typer.Typer) -> None:
             raise UsageError("kvtier top needs a terminal", hint="use `kvtier top --once [--json]` in scripts")
         from kvtier.tui.app import TopApp
 
-        TopApp(source, interval=interval, client=client, record=recorder, first=first).run()
+        TopApp(source, interval=interval, client=client, record=recorder, first=first,
+               box=box if replay is None else None).run()
 
 
 def _print_once(snapshot, json_out: bool) -> None:
@@ -86,6 +106,18 @@ def _print_once(snapshot, json_out: bool) -> None:
         return
     for banner in snapshot.banners:
         typer.echo(f"note: {banner}", err=True)
+    if len(snapshot.instances) > 1 or len(snapshot.gpus) > 1:
+        print_table("instances on this box", ["instance", "port", "model", "GPUs", "DRAM", "NVMe", "sessions"],
+                    [(("▶ " if i.name == snapshot.instance else "") + i.name, i.port, i.model,
+                      "all" if i.gpus is None else ",".join(i.gpus) or "-",
+                      f"{human_bytes(i.dram_used)}/{human_bytes(i.dram_capacity)}",
+                      f"{human_bytes(i.nvme_used)}/{human_bytes(i.nvme_capacity)}",
+                      i.sessions if i.connected else "not answering") for i in snapshot.instances])
+        if snapshot.gpus:
+            print_table("GPUs", ["GPU", "name", "HBM", "PCIe →GPU", "PCIe GPU→", "instances"],
+                        [(g.index, g.name, f"{human_bytes(g.hbm_used)}/{human_bytes(g.hbm_total)}",
+                          human_rate(g.pcie_to_gpu), human_rate(g.pcie_from_gpu), ",".join(g.instances) or "-")
+                         for g in snapshot.gpus])
     print_table("tiers", ["tier", "used", "capacity", "%", "codec"],
                 [(t.name, human_bytes(t.used_bytes), human_bytes(t.capacity_bytes),
                   "N/A" if t.fraction is None else f"{t.fraction * 100:.0f}%", t.codec) for t in snapshot.tiers])
@@ -94,7 +126,8 @@ def _print_once(snapshot, json_out: bool) -> None:
     print_table("links", ["link", "rate", "source"],
                 [(link.name, human_rate(link.bytes_per_s), link.source) for link in snapshot.links])
     rows = sorted(snapshot.sessions, key=lambda r: -r.last_use)[:20]
-    print_table(f"sessions ({len(snapshot.sessions)}, most recent first)",
+    shown = f" of instance {snapshot.instance}" if snapshot.instance and len(snapshot.instances) > 1 else ""
+    print_table(f"sessions{shown} ({len(snapshot.sessions)}, most recent first)",
                 ["session", "state", "tokens", "DRAM", "NVMe", "idle"],
-                [(r.session_id, r.state, f"{r.tokens:,}", human_bytes(r.bytes_dram), human_bytes(r.bytes_nvme),
+                [(f"{r.instance}/{r.session_id}" if r.instance else r.session_id, r.state, f"{r.tokens:,}", human_bytes(r.bytes_dram), human_bytes(r.bytes_nvme),
                   idle_text(snapshot.taken - r.last_use)) for r in rows])

@@ -4,20 +4,58 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["open_gpu", "gpu_link"]
+__all__ = ["open_gpu", "open_gpus", "gpu_link", "select_gpus"]
+
+
+def open_gpus() -> tuple[Any, list[Any], str | None]:
+    """``(pynvml, [handle of every GPU, by NVML index], None)``, or ``(None, [], why not)``."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, [], "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        return pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)], None
+    except Exception as exc:  # noqa: BLE001 - no driver or no device: a CPU box
+        return None, [], f"no NVIDIA GPU or driver ({type(exc).__name__})"
 
 
 def open_gpu() -> tuple[Any, Any, str | None]:
     """``(pynvml, handle of GPU 0, None)``, or ``(None, None, why not)``."""
-    try:
-        import pynvml
-    except ImportError:
-        return None, None, "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
-    try:
-        pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(0), None
-    except Exception as exc:  # noqa: BLE001 - no driver or no device: a CPU box
-        return None, None, f"no NVIDIA GPU or driver ({type(exc).__name__})"
+    nvml, handles, why = open_gpus()
+    if not handles:
+        return None, None, why or "no NVIDIA GPU"
+    return nvml, handles[0], None
+
+
+def select_gpus(nvml: Any, handles: list[Any], visible: list[str] | tuple[str, ...] | None) -> list[int]:
+    """NVML indexes of the GPUs ``CUDA_VISIBLE_DEVICES`` names (indexes, ``GPU-<uuid>`` or a
+    prefix of one, ``MIG-...`` mapped to nothing); every GPU when ``visible`` is None.  NVML counts
+    GPUs in PCI bus order; so does CUDA with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (set it on multi-GPU
+    boxes, as vLLM's docs advise) -- otherwise CUDA's "fastest first" order may differ."""
+    if visible is None:
+        return list(range(len(handles)))
+    uuids: list[str] = []
+    for handle in handles:
+        try:
+            uuid = nvml.nvmlDeviceGetUUID(handle)
+            uuids.append(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
+        except Exception:  # noqa: BLE001 - no UUID: match by index only
+            uuids.append("")
+    chosen: list[int] = []
+    for entry in visible:
+        entry = entry.strip()
+        if entry.isdigit():
+            index = int(entry)
+            if index < len(handles) and index not in chosen:
+                chosen.append(index)
+            continue
+        for index, uuid in enumerate(uuids):
+            if uuid and entry.startswith("GPU-") and uuid.startswith(entry) and index not in chosen:
+                chosen.append(index)
+                break
+    return chosen
 
 
 def gpu_link(nvml: Any = None, handle: Any = None) -> dict[str, Any]:
