@@ -90,3 +90,13 @@ def tiny_model():
     cache = os.environ.get("KVTIER_TEST_MODEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "kvtier-test", "models")
     return ensure_demo_model("tiny", cache_dir=cache)
+
+
+@pytest.fixture(scope="session")
+def mid_model():
+    """The mid demo model (~350 MB, built once like the tiny one; only the two-instance test serves it)."""
+    from kvtier.demo_model import ensure_demo_model
+
+    cache = os.environ.get("KVTIER_TEST_MODEL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "kvtier-test", "models")
+    return ensure_demo_model("mid", cache_dir=cache)

@@ -371,3 +371,58 @@ def test_box_collector_says_which_instances_use_each_gpu(run_env):
     snap = box.poll()
     assert [g.instances for g in snap.gpus] == [("gpu0",), (), ("tp",), ("tp",)]
     assert [(i.name, i.gpus, i.connected) for i in snap.instances] == [("gpu0", ("0",), False), ("tp", ("2", "3"), False)]
+
+
+# ---- two real servers on one box ------------------------------------------------------------------
+def test_two_real_instances_tiny_by_hub_id_and_mid(run_env, tiny_model, mid_model, tmp_path, monkeypatch):
+    """A tiny model served by its hub id from an offline Hugging Face cache (a named instance) and the
+    mid demo model (named by its port) on one box, sharing one --nvme-dir: both reachable, a taken
+    name refused before vLLM starts, kvtier top shows both, their blocks never mix."""
+    from kvtier.plugins.vllm.served import Served
+
+    lay_out_hub_cache(tmp_path / "hf", "kvtier-test/tiny-llama", tiny_model)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    nvme = tmp_path / "shared-nvme"
+    tiny = Served("kvtier-test/tiny-llama", tmp_path, "tiny", 1024, nvme_dir=nvme, instance="tiny",
+                  serve_args=("--revision", "main"), served_name="kvtier-test/tiny-llama")
+    mid = None
+    try:
+        mid = Served(str(mid_model), tmp_path, "mid", 1024, nvme_dir=nvme, served_name="mid")
+        listed = json.loads(runner.invoke(app, ["instances", "--json"]).output)["instances"]
+        assert sorted(i["name"] for i in listed) == sorted(["tiny", str(mid.port)])
+        assert all(i["reachable"] for i in listed)
+
+        status = json.loads(runner.invoke(app, ["status", "--json", "--instance", "tiny"]).output)
+        assert status["instance"] == "tiny" and status["model"].startswith("kvtier-test/tiny-llama")
+        assert status["revision"] == "main" and status["commit"] == COMMIT
+        human = runner.invoke(app, ["status", "--instance", "tiny"]).output
+        assert f"revision main ({COMMIT[:12]})" in human
+        other = json.loads(runner.invoke(app, ["status", "--json", "--instance", str(mid.port)]).output)
+        assert other["instance"] == str(mid.port) and other["model"].startswith("mid")
+        assert other["fingerprint"]["geometry"]["num_layers"] != status["fingerprint"]["geometry"]["num_layers"]
+
+        started = time.monotonic()
+        third = runner.invoke(app, ["serve", str(tiny_model), "--instance", "tiny", "--nvme-dir", str(nvme)])
+        assert third.exit_code == 2 and "instance 'tiny' is already running" in third.stderr
+        assert time.monotonic() - started < 3
+
+        prompt = list(range(100, 100 + 200))
+        assert tiny.turn("agent-t", prompt)["text"] is not None
+        assert mid.turn("agent-m", prompt)["text"] is not None
+        for server in (tiny, mid):
+            server.admin().wait(server.admin().post("/v1/flush", {}))
+        box = json.loads(runner.invoke(app, ["top", "--once", "--json", "--all"]).output)
+        assert sorted(i["name"] for i in box["instances"]) == sorted(["tiny", str(mid.port)])
+        assert sorted((s["instance"], s["session_id"]) for s in box["sessions"]) == \
+            sorted([("tiny", "agent-t"), (str(mid.port), "agent-m")])
+        # one directory each inside the shared one: the named instance's, and the root for the unnamed
+        named = sorted(p.name for p in (nvme / "instances" / "tiny" / "segments").iterdir())
+        unnamed = sorted(p.name for p in (nvme / "segments").iterdir())
+        assert named and unnamed
+        assert sorted(p.name for p in (nvme / "instances").iterdir()) == ["tiny"]
+    finally:
+        if mid is not None:
+            mid.stop()
+        tiny.stop()
+    assert list_instances() == []

@@ -312,6 +312,49 @@ def test_in_a_real_terminal(live):
     assert code == 0
 
 
+@pytest.mark.parametrize("how", ["default", "NO_COLOR", "--no-color"])
+def test_no_color_draws_without_colors(live, how):
+    """NO_COLOR=1 or kvtier --no-color: the real terminal gets no color escapes (bold may stay)."""
+
+    app = PtyApp(["--socket", live.sock, "--interval", "0.5"], size=(80, 24),
+                 env={"NO_COLOR": "1"} if how == "NO_COLOR" else None,
+                 root_args=("--no-color",) if how == "--no-color" else ())
+    try:
+        assert app.read_until(b"session-00", 60), app.seen[-2000:]
+        app.drain(0.5)
+    finally:
+        app.close()
+    assert bool(_hues(app.seen)) == (how == "default"), _hues(app.seen)[:3]
+
+
+_GREYS_256 = {0, 7, 8, 15, 16, 59, 102, 145, 188, 231, *range(232, 256)}
+
+
+def _hues(screen: bytes) -> list[tuple[int, ...]]:
+    """Every non-grey color a terminal was told to draw (Textual's NO_COLOR mode is greyscale)."""
+    import re
+
+    found = []
+    for params in re.findall(rb"\x1b\[([0-9;]*)m", screen):
+        codes = [int(p) for p in params.split(b";") if p]
+        i = 0
+        while i < len(codes):
+            if codes[i] in (38, 48) and i + 2 < len(codes) and codes[i + 1] == 5:
+                if codes[i + 2] not in _GREYS_256:
+                    found.append((codes[i + 2],))
+                i += 3
+            elif codes[i] in (38, 48) and i + 4 < len(codes) and codes[i + 1] == 2:
+                rgb = tuple(codes[i + 2:i + 5])
+                if len(set(rgb)) > 1:
+                    found.append(rgb)
+                i += 5
+            else:
+                if 31 <= codes[i] <= 36 or 41 <= codes[i] <= 46 or 91 <= codes[i] <= 96:
+                    found.append((codes[i],))
+                i += 1
+    return found
+
+
 def test_top_never_imports_torch_or_vllm(live):
     code = ("import sys; from kvtier.cli.main import main; sys.argv = ['kvtier', 'top', '--once', '--socket', "
             f"{live.sock!r}]\ntry:\n    main()\nexcept SystemExit:\n    pass\n"

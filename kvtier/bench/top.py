@@ -56,7 +56,8 @@ def demo_admin(directory: Path, sessions: int, churn: bool = True):
 class PtyApp:
     """``kvtier top`` in a child process on a pseudo-terminal; reads what it draws."""
 
-    def __init__(self, args: list[str], size: tuple[int, int] = (120, 40), env: dict | None = None):
+    def __init__(self, args: list[str], size: tuple[int, int] = (120, 40), env: dict | None = None,
+                 root_args: tuple[str, ...] = ()):
         import fcntl
         import pty
         import struct
@@ -68,7 +69,7 @@ class PtyApp:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
         environ = {**os.environ, "TERM": "xterm-256color", "COLUMNS": str(size[0]), "LINES": str(size[1]),
                    **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", "top", *args], stdin=slave,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", *root_args, "top", *args], stdin=slave,
                                      stdout=slave, stderr=slave, env=environ, close_fds=True, start_new_session=True)
         os.close(slave)
         self.seen = b""

@@ -59,8 +59,11 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    no_color: bool = typer.Option(False, "--no-color", help="Plain text, no colors (as NO_COLOR=1 does)."),
 ) -> None:
     """Tiered KV cache for vLLM."""
+    if no_color:
+        os.environ["NO_COLOR"] = "1"  # rich (tables, spinners) and Textual (kvtier top) both honor it
 
 
 # ---- serve --------------------------------------------------------------------------------------
@@ -101,7 +104,7 @@ def serve(
     admin_token_file: Optional[str] = typer.Option(
         None, "--admin-token-file", help="File (mode 600) holding the admin TCP bearer token."),
     admin_socket: Optional[str] = typer.Option(
-        None, "--admin-socket", help="Admin API socket (default $KVTIER_ADMIN_SOCKET, else $XDG_RUNTIME_DIR/kvtier.sock); "
+        None, "--admin-socket", help="Admin API socket (default $KVTIER_ADMIN_SOCKET, else $XDG_RUNTIME_DIR/kvtier/instances/NAME.sock); "
                                      "one per server when several run on a box."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check, print the vLLM command, start nothing."),
 ) -> None:

@@ -261,7 +261,7 @@ def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = pr
         progress("kvtier serve (NVMe tier on a private tmpfs) under load, chaos and disk faults")
         server = subprocess.Popen(["unshare", "-rm", "sh", "-c", wrapper, str(mount), *serve], env=env,
                                   stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        sock = admin_socket_path(env)
+        sock = admin_socket_path(env, str(port))  # the instance is named by its port
         chaos_counts = {"actions": 0, "refused": 0, "admin_errors": 0}
         faults: dict[str, dict] = {}
         stop = threading.Event()

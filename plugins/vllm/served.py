@@ -20,7 +20,8 @@ class Served:
     ``base/nvme`` unless ``nvme_dir``), ready when constructed. Greedy 8-token completions."""
 
     def __init__(self, model: str, base: Path, name: str, max_len: int, write_behind: str = "10",
-                 nvme_dir: Path | None = None, vllm_args: tuple[str, ...] = (), connector: bool = True):
+                 nvme_dir: Path | None = None, vllm_args: tuple[str, ...] = (), connector: bool = True,
+                 serve_args: tuple[str, ...] = (), instance: str | None = None, served_name: str = "tiny"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = base / f"{name}.log"
@@ -28,13 +29,18 @@ class Served:
                         VLLM_CACHE_ROOT=str(base / "vllm-cache"), PYTHONUNBUFFERED="1",
                         XDG_RUNTIME_DIR=str(base / "run"), KVTIER_SNAPSHOT_DIR=str(base / "snapshots"))
         (base / "run").mkdir(exist_ok=True)
-        self.socket = str(base / "run" / "kvtier.sock")
-        served = ["--max-model-len", str(max_len), "--enforce-eager", "--served-model-name", "tiny",
+        from kvtier.control.instances import instance_socket
+
+        self.instance = instance or str(self.port)
+        self.socket = instance_socket(self.instance, self.env)
+        self.served_name = served_name
+        served = ["--max-model-len", str(max_len), "--enforce-eager", "--served-model-name", served_name,
                   "--max-num-seqs", "1", *vllm_args]
         if connector:
-            cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", model, "--port", str(self.port),
+            named = ("--instance", instance) if instance else ()
+            cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", model, "--port", str(self.port), *named,
                    "--dram", "1GiB", "--nvme-dir", str(nvme_dir or base / "nvme"), "--nvme", "8GiB",
-                   "--write-behind", write_behind, "--", *served]
+                   "--write-behind", write_behind, *serve_args, "--", *served]
         else:  # plain vLLM with kvtier serve's environment (the same cores, threads and KV space)
             from kvtier.serve import is_cpu_only, vllm_cpu_env
 
@@ -55,7 +61,8 @@ class Served:
         return AdminClient(self.socket, timeout=60)
 
     def turn(self, session: str, prompt: list[int], max_tokens: int = 8) -> dict:
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+        body = json.dumps({"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0}).encode()
         request = urllib.request.Request(self.url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json", "X-Session-ID": session})
         started = time.perf_counter()
@@ -67,7 +74,7 @@ class Served:
 
     def streamed(self, session: str, prompt: list[int], max_tokens: int = 8) -> dict:
         """A streamed completion: its text and its time to the first token (``ttft``)."""
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        body = json.dumps({"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                            "stream": True}).encode()
         request = urllib.request.Request(self.url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json", "X-Session-ID": session})
