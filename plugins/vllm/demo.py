@@ -46,6 +46,11 @@ def run_demo(tokens: int = 8192, size: str = "tiny", workdir: str | None = None,
         job = admin.wait(admin.post(AdminClient.session_path("agent-42", "snapshot"), {"path": str(snapshot)}))
         admin.close()
         info = verify_snapshot(snapshot)
+        if info.session_id != "agent-42":  # the file is named for the session it must hold
+            from kvtier.errors import KvtierError
+
+            raise KvtierError(f"the snapshot {snapshot.name} holds session {info.session_id!r}, not 'agent-42'",
+                              hint=f"the server did not see the X-Session-ID header; see {evening.log_path}")
         say(f"snapshot of {info.session_id}: {len(info.blocks)} blocks, {info.payload_bytes / 2**20:.1f} MiB, "
             f"checksums verified -> {snapshot} (job {job['id']})")
     finally:
