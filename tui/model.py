@@ -57,7 +57,6 @@ class SessionRow:
     restore_s: float | None = None
     recompute_s: float | None = None
     instance: str | None = None  # set in the all-instances view
-    last_turn: str | None = None  # why its last turn loaded what it did (or recomputed)
 
 
 @dataclass(frozen=True)
