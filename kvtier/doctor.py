@@ -8,12 +8,13 @@ are plain sentences with the numbers that back them.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 from pathlib import Path
 from typing import Any
 
-from kvtier.control.gpu import gpu_link
+from kvtier.control.gpu import gpu_links
 
 __all__ = ["run_doctor", "kv_bytes_per_token"]
 
@@ -69,11 +70,31 @@ def kv_bytes_per_token(model_path: str | None) -> dict[str, Any]:
             "bytes_per_token_fp8": 2 * layers * kv_heads * head_dim}
 
 
+def _link_warnings(gpu: dict[str, Any], reload_dram_s: float, name_it: bool) -> list[str]:
+    """A GPU's PCIe link below what its card can do, or slow enough that reloading loses."""
+    if not gpu.get("present") or not gpu.get("gen"):
+        return []
+    which = f"GPU {gpu.get('index')}: " if name_it else ""
+    out = []
+    if gpu.get("max_gen") and (gpu["gen"] < gpu["max_gen"] or (gpu.get("width") or 0) < (gpu.get("max_width") or 0)):
+        out.append(f"{which}PCIe runs at gen{gpu['gen']} x{gpu['width']} (the card can do gen{gpu['max_gen']} "
+                   f"x{gpu['max_width']}): check the slot and BIOS settings")
+    if gpu["gen"] <= 3 and (gpu.get("width") or 16) <= 4:
+        out.append(f"{which}PCIe gen{gpu['gen']} x{gpu['width']} is a slow link: reloading a 200k-token session "
+                   f"takes {reload_dram_s:.1f} s from DRAM")
+    return out
+
+
 def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, float], server: dict | None,
-               quick: bool = False) -> dict[str, Any]:
+               quick: bool = False, gpus: list[str] | None = None) -> dict[str, Any]:
+    """``gpus``: the GPUs to report, as ``CUDA_VISIBLE_DEVICES`` names them (default: that variable,
+    else every GPU); the host-to-device rate is measured on the first of them."""
     from kvtier.costmodel import GB, measure_rates
 
-    report: dict[str, Any] = {"gpu": gpu_link()}
+    if gpus is None and os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        gpus = [g for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    links = gpu_links(gpus)
+    report: dict[str, Any] = {"gpu": links[0], "gpus": links}
     directory = Path(nvme_dir) if nvme_dir else None
     if directory is not None:
         report["nvme"] = disk_report(directory)
@@ -90,14 +111,9 @@ def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, flo
     report["reload_200k_s"] = reload
     report["server"] = server
     warnings: list[str] = []
+    for link in links:
+        warnings += _link_warnings(link, reload["dram"], len(links) > 1)
     gpu = report["gpu"]
-    if gpu.get("present") and gpu.get("gen") and gpu.get("max_gen") and \
-            (gpu["gen"] < gpu["max_gen"] or (gpu.get("width") or 0) < (gpu.get("max_width") or 0)):
-        warnings.append(f"PCIe runs at gen{gpu['gen']} x{gpu['width']} (the card can do gen{gpu['max_gen']} "
-                        f"x{gpu['max_width']}): check the slot and BIOS settings")
-    if gpu.get("present") and gpu.get("gen") and gpu["gen"] <= 3 and (gpu.get("width") or 16) <= 4:
-        warnings.append(f"PCIe gen{gpu['gen']} x{gpu['width']} is a slow link: reloading a 200k-token session "
-                        f"takes {reload['dram']:.1f} s from DRAM")
     if directory is not None:
         nvme = report["nvme"]
         if nvme["filesystem"] in ("tmpfs", "ramfs"):

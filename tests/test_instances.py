@@ -426,3 +426,29 @@ def test_two_real_instances_tiny_by_hub_id_and_mid(run_env, tiny_model, mid_mode
             mid.stop()
         tiny.stop()
     assert list_instances() == []
+
+
+def test_doctor_reports_every_gpu_of_the_instance(monkeypatch):
+    """kvtier doctor names the GPUs an instance uses (not always GPU 0) and warns per GPU."""
+    from kvtier import doctor
+    from kvtier.control import gpu
+
+    class Links(FakeNvml):
+        def nvmlDeviceGetCurrPcieLinkGeneration(self, handle):  # noqa: N802
+            return 3 if handle == 3 else 5
+
+        def nvmlDeviceGetCurrPcieLinkWidth(self, handle):  # noqa: N802
+            return 4 if handle == 3 else 16
+
+        def nvmlDeviceGetMaxPcieLinkGeneration(self, handle):  # noqa: N802
+            return 5
+
+        def nvmlDeviceGetMaxPcieLinkWidth(self, handle):  # noqa: N802
+            return 16
+
+    monkeypatch.setattr(gpu, "open_gpus", lambda: (Links(), [0, 1, 2, 3], None))
+    links = gpu.gpu_links(["2", "3"])
+    assert [(g["index"], g["gen"], g["width"]) for g in links] == [(2, 5, 16), (3, 3, 4)]
+    warnings = [w for link in links for w in doctor._link_warnings(link, 12.0, True)]
+    assert len(warnings) == 2 and all(w.startswith("GPU 3: ") for w in warnings)
+    assert gpu.gpu_links(["9"])[0]["present"] is False

@@ -541,7 +541,15 @@ def doctor(
         server = {"status": client.get("/v1/status"), "costmodel": client.get("/v1/costmodel")}
     except KvtierError:
         server = None
-    report = run_doctor(nvme_dir or settings.nvme_dir, model, caps, server, quick=quick)
+    gpus = None
+    if selected_instance() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        from kvtier.control.instances import find_instance
+
+        chosen = find_instance(selected_instance())
+        if chosen is not None and chosen.gpus is not None:
+            gpus = chosen.gpus  # that instance's GPUs: its links, and the rate measured on its first
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    report = run_doctor(nvme_dir or settings.nvme_dir, model, caps, server, quick=quick, gpus=gpus)
     if json_out:
         emit_json(report)
         return
@@ -549,9 +557,9 @@ def doctor(
 
 
 def _print_doctor(report: dict) -> None:
-    gpu = report["gpu"]
-    rows = [("GPU", f"{gpu['name']} PCIe gen{gpu.get('gen')} x{gpu.get('width')} (max gen{gpu.get('max_gen')} "
-                    f"x{gpu.get('max_width')})" if gpu.get("present") else f"none: {gpu['why']}")]
+    rows = [(f"GPU {gpu['index']}" if len(report["gpus"]) > 1 else "GPU",
+             f"{gpu['name']} PCIe gen{gpu.get('gen')} x{gpu.get('width')} (max gen{gpu.get('max_gen')} "
+             f"x{gpu.get('max_width')})" if gpu.get("present") else f"none: {gpu['why']}") for gpu in report["gpus"]]
     if "nvme" in report:
         n = report["nvme"]
         rows.append(("NVMe dir", f"{n['dir']} on {n['filesystem']} ({n['mount']}), {human_bytes(n['free_bytes'])} free, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["open_gpu", "open_gpus", "gpu_link", "select_gpus"]
+__all__ = ["open_gpu", "open_gpus", "gpu_link", "gpu_links", "select_gpus"]
 
 
 def open_gpus() -> tuple[Any, list[Any], str | None]:
@@ -77,3 +77,15 @@ def gpu_link(nvml: Any = None, handle: Any = None) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - some boards hide their link
             info[key] = None
     return info
+
+
+def gpu_links(visible: list[str] | tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """:func:`gpu_link` of each GPU ``visible`` names (``CUDA_VISIBLE_DEVICES`` entries; None: every
+    GPU), each with its NVML ``index``; one ``{"present": False, "why": ...}`` on a box without any."""
+    nvml, handles, why = open_gpus()
+    if not handles:
+        return [{"present": False, "why": why}]
+    chosen = select_gpus(nvml, handles, visible)
+    if not chosen:
+        return [{"present": False, "why": f"CUDA_VISIBLE_DEVICES={','.join(visible or ())} names no GPU NVML sees"}]
+    return [{"index": index, **gpu_link(nvml, handles[index])} for index in chosen]
