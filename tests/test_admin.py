@@ -7,6 +7,7 @@ import os
 import socket
 import stat
 import threading
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -160,6 +161,68 @@ def test_malformed_requests_get_json_errors(server, request_bytes, status):
     assert AdminClient(server.sock).get("/v1/status")["tiers"]["dram"]["blocks"] == 6  # still serving
 
 
+@pytest.mark.parametrize("request_bytes", [
+    "POST /v1/flush HTTP/1.1\r\nContent-Length: \u00b2\r\n\r\n{}".encode("utf-8"),  # "²".isdigit() is True
+    "POST /v1/flush HTTP/1.1\r\nContent-Length: \u0662\r\n\r\n{}".encode("utf-8"),  # an Arabic-Indic 2
+    b"POST /v1/flush HTTP/1.1\r\nContent-Length: +2\r\n\r\n{}",
+    b"POST /v1/flush HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
+    b"GET /v1/status HTTP/1.1\r\nX-A: b\r\n folded: continuation\r\n\r\n",  # obsolete line folding
+    b"GET /v1/status HTTP/1.1\r\nX-A: b\r\n\tfolded\r\n\r\n",
+    b"GET /v1/status HTTP/1.1\r\nBad Name: x\r\n\r\n",
+    b"GET /v1/status HTTP/1.1\r\nX-A: \x01ctl\r\n\r\n",
+    b"G(T /v1/status HTTP/1.1\r\n\r\n",
+    b"GET /v1/st\xe9tus HTTP/1.1\r\n\r\n",
+])
+def test_the_parser_is_as_strict_as_h11(server, request_bytes):
+    """Each of these is refused by h11 (a well-kept HTTP/1.1 parser); the admin server refuses it too,
+    with a JSON 400, and goes on serving."""
+    import h11
+
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(request_bytes)
+    with pytest.raises(h11.RemoteProtocolError):
+        while conn.next_event() not in (h11.NEED_DATA, h11.PAUSED):
+            pass
+    got, body = raw(server.sock, request_bytes)
+    assert got == 400 and body["error"], body
+    assert AdminClient(server.sock).get("/v1/status")["tiers"]["dram"]["blocks"] == 6
+
+
+def test_connections_are_capped_and_idle_ones_cost_no_thread(server):
+    from kvtier.control.server import MAX_CONNECTIONS
+
+    threads = threading.active_count()
+    idle = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(server.sock)
+            idle.append(s)
+        deadline = time.monotonic() + 10
+        while threading.active_count() < threads + MAX_CONNECTIONS and time.monotonic() < deadline:
+            time.sleep(0.02)
+        refused = []
+        for _ in range(200):  # beyond the cap: a 503 at once, and no new thread
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(server.sock)
+            refused.append(s.recv(200).split(b"\r\n", 1)[0])
+            s.close()
+        assert set(refused) == {b"HTTP/1.1 503 Service Unavailable"}
+        assert threading.active_count() <= threads + MAX_CONNECTIONS
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while True:  # the slots come back as the idle connections close
+        try:
+            assert AdminClient(server.sock).get("/v1/status")["tiers"]["dram"]["blocks"] == 6
+            break
+        except Exception:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
 def exchange(sock_path: str, data: bytes, answers: int) -> list[tuple[int, bytes, bytes]]:
     """Send raw bytes on one connection; read ``answers`` responses (status, head, body)."""
     out = []
@@ -272,6 +335,11 @@ def test_tcp_needs_the_token(fingerprint, hbm, tmp_path):
         assert "token" in str(err.value)
         with pytest.raises(KvtierError):
             AdminClient(url=url, token="wrong").get("/v1/status")
+        # the token is checked before the body is read: a stranger's huge body is never waited for
+        with socket.create_connection(("127.0.0.1", admin.server.tcp_port), timeout=5) as raw_tcp:
+            raw_tcp.sendall(b"POST /v1/flush HTTP/1.1\r\nAuthorization: Bearer nope\r\n"
+                            b"Content-Length: 60000\r\n\r\n")
+            assert raw_tcp.recv(100).startswith(b"HTTP/1.1 401 ")
         assert AdminClient(url=url, token="s3cret-token").get("/v1/status")["model"] == "test-model"
     finally:
         admin.stop()

@@ -162,9 +162,53 @@ class Ops:
                            hint=f"wait for it: kvtier jobs {running}, then retry")
 
 
+MAX_CONNECTIONS = 32  # per listener; more are answered 503 at once, without a thread
+_BUSY_BODY = b'{"error":"too many admin connections","hint":"close idle ones, then retry"}'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nServer: kvtier-admin\r\nContent-Type: application/json\r\n"
+         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
 class _Quiet:
+    """Shared by both listeners: quiet about clients that hang up, and a cap on connections (each
+    one is a thread; 10,000 idle ones must not become 10,000 threads)."""
+
+    max_connections = MAX_CONNECTIONS
+
     def handle_error(self, request, client_address) -> None:  # a client that hung up is not news
         log.debug("kvtier admin: connection error", exc_info=True)
+
+    def process_request(self, request, client_address) -> None:
+        lock = self.__dict__.setdefault("_count_lock", threading.Lock())
+        with lock:
+            active = self.__dict__.get("_active", 0)
+            if active >= self.max_connections:
+                refused = True
+            else:
+                refused = False
+                self._active = active + 1
+        if refused:
+            try:
+                request.setblocking(False)
+                request.send(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self.__dict__.setdefault("_count_lock", threading.Lock()):
+            self._active = max(0, self.__dict__.get("_active", 1) - 1)
 
 
 class _UnixServer(_Quiet, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -203,7 +247,11 @@ class AdminServer:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._prepare_socket_dir()
         handler = _make_handler(self.ops, None)
-        unix = _UnixServer(str(self.socket_path), handler)
+        old = os.umask(0o177)  # the socket is born 0600: no window in which others may connect
+        try:
+            unix = _UnixServer(str(self.socket_path), handler)
+        finally:
+            os.umask(old)
         os.chmod(self.socket_path, 0o600)
         self._servers.append(unix)
         if self.tcp is not None:
@@ -277,10 +325,15 @@ _BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"
 
 
 _REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-            405: "Method Not Allowed", 409: "Conflict", 411: "Length Required", 413: "Payload Too Large",
+            405: "Method Not Allowed", 408: "Request Timeout", 503: "Service Unavailable", 409: "Conflict", 411: "Length Required", 413: "Payload Too Large",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 505: "HTTP Version Not Supported"}
 MAX_HEAD = 16 << 10
-IDLE_TIMEOUT_S = 120.0
+IDLE_TIMEOUT_S = 30.0  # a keep-alive connection with no request for this long is closed
+HEAD_TIMEOUT_S = 10.0  # a request head must arrive whole within this
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token: methods and header names
+_DIGITS = re.compile(r"[0-9]{1,19}")  # Content-Length: ASCII digits only ("²".isdigit() is True)
+_TARGET = re.compile(r"/[\x21-\x7e]*")  # origin-form, visible ASCII only
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")  # no control characters in values
 _JSON = b"application/json"
 _TEXT = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -334,12 +387,17 @@ def _make_handler(ops: Ops, token: str | None):
             return chunk
 
         def _read_request(self) -> _Request | None:
+            started = None
             while True:
                 end = self.buffer.find(b"\r\n\r\n")
                 if end >= 0:
                     break
                 if len(self.buffer) > MAX_HEAD:
                     raise ApiError(431, "request head is too large")
+                if self.buffer:  # a head that trickles in (slowloris) holds a connection slot: bounded
+                    started = started or time.monotonic()
+                    if time.monotonic() - started > HEAD_TIMEOUT_S:
+                        raise ApiError(408, f"request head not complete within {HEAD_TIMEOUT_S:g} s")
                 if not self._recv():
                     if self.buffer.strip():
                         raise ApiError(400, "incomplete request")
@@ -351,7 +409,7 @@ def _make_handler(ops: Ops, token: str | None):
             while lines and not lines[0]:  # tolerate blank lines between requests (RFC 9112 2.2)
                 lines.pop(0)
             parts = lines[0].split(" ") if lines else []
-            if len(parts) != 3 or not parts[0] or not parts[1].startswith("/"):
+            if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not _TARGET.fullmatch(parts[1]):
                 raise ApiError(400, f"malformed request line: {lines[0][:80] if lines else ''!r}")
             method, target, version = parts
             if version not in ("HTTP/1.1", "HTTP/1.0"):
@@ -359,9 +417,19 @@ def _make_handler(ops: Ops, token: str | None):
             headers: dict[str, str] = {}
             for line in lines[1:]:
                 name, sep, value = line.partition(":")
-                if not sep or not name or name != name.strip():
+                # no obsolete line folding (a line starting with a space continues the previous one
+                # in old HTTP: a classic request-smuggling vector), names are tokens, values printable
+                if not sep or not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
                     raise ApiError(400, f"malformed header line: {line[:80]!r}")
-                headers[name.lower()] = value.strip()
+                key = name.lower()
+                if key in headers and key in ("content-length", "authorization", "host", "transfer-encoding"):
+                    raise ApiError(400, f"duplicate {name} header")
+                headers[key] = value.strip(" \t")
+            if expected is not None:  # the token first: nothing else of a stranger's request is read
+                given = headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode("iso-8859-1"), expected):
+                    raise ApiError(401, "missing or wrong bearer token",
+                                   hint="send 'Authorization: Bearer <admin token>'")
             connection = headers.get("connection", "").lower()
             keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
             request = _Request(method, target, headers, keep_alive)
@@ -370,7 +438,7 @@ def _make_handler(ops: Ops, token: str | None):
             length = headers.get("content-length")
             if length is None:
                 return request
-            if not length.isdigit():
+            if not _DIGITS.fullmatch(length):
                 raise ApiError(400, f"bad Content-Length: {length[:20]!r}")
             size = int(length)
             if size > MAX_BODY:
@@ -388,11 +456,6 @@ def _make_handler(ops: Ops, token: str | None):
             """(status, body, content type, close after answering)."""
             method = request.method
             try:
-                if expected is not None:
-                    given = request.headers.get("authorization", "")
-                    if not hmac.compare_digest(given.encode("iso-8859-1"), expected):
-                        raise ApiError(401, "missing or wrong bearer token",
-                                       hint="send 'Authorization: Bearer <admin token>'")
                 path, _, query = request.target.partition("?")
                 name, params = _route(method, path)
                 body = _body(name, request.body) if method == "POST" else {}
