@@ -161,6 +161,7 @@ class Catalog:
         self.warnings: list[str] = []  # what opening found and fixed (moved-aside files, bad rows)
         self.bad_rows = 0
         self.recreated = 0  # times the file vanished (its directory wiped) and was made again
+        self._others: tuple[float, list[Path]] | None = None  # (when listed, other models' catalogs here)
         self._ns_ids: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self._lock_fd = self._take_lock(self.path.with_suffix(".lock"))
@@ -307,6 +308,39 @@ class Catalog:
             return None
         data = bytes(row[0])
         return data if _tokens_crc(session_id, data) == row[1] else None
+
+    def find_elsewhere(self, session_id: str) -> dict | None:
+        """The model fingerprint (``ModelFingerprint.to_dict``) of another catalog in this directory
+        (another model, weights or KV layout on the same NVMe dir) that lists ``session_id``, or None.
+        Read-only: one indexed lookup per other catalog, each opened and closed (nothing is held open
+        on another server's file). Why a session's turn found nothing: it is stored for another model."""
+        others = self._other_catalogs()
+        for path in others:
+            try:
+                db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=0.2, check_same_thread=False)
+                try:
+                    if db.execute("SELECT 1 FROM sessions WHERE session_id = ?", (session_id,)).fetchone() is None:
+                        continue
+                    row = db.execute("SELECT value FROM meta WHERE key = 'model'").fetchone()
+                finally:
+                    db.close()
+                return json.loads(row[0]) if row else {}
+            except (sqlite3.Error, ValueError, OSError):
+                continue
+        return None
+
+    def _other_catalogs(self) -> list[Path]:
+        """Other models' catalog files here (listed again at most every 10 s)."""
+        now = time.monotonic()
+        cached = self._others
+        if cached is not None and now - cached[0] < 10.0:
+            return cached[1]
+        try:
+            others = sorted(p for p in self.path.parent.glob("*.sqlite") if p != self.path)
+        except OSError:
+            others = []
+        self._others = (now, others)
+        return others
 
     def __len__(self) -> int:
         with self._lock, self._connection() as db:

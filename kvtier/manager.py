@@ -34,6 +34,7 @@ from kvtier.jobs import BlockMove, Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint
 from kvtier.manager_ops import SessionOps
 from kvtier.policy import make_policy
+from kvtier.reasons import DropLog, TurnLog
 from kvtier.tiers.dram import SlotAllocator
 from kvtier.tiers.nvme import file_bytes_for
 
@@ -84,6 +85,8 @@ class TierManager(SessionOps):
         self.counters: Counter[str] = Counter()
         self.warnings: dict[str, str] = {}
         self.cost = None  # a kvtier.costmodel.CostModel when the connector has one (demotion asks it)
+        self.turns = TurnLog()  # the last turns of each session: what was found, loaded, and why not more
+        self.drops = DropLog()  # recently dropped blocks, with when and why (a later turn's miss names them)
         self._nvme_retry_at = 0.0  # after a failed NVMe write: victims are dropped until then
         self._nvme_backoff = 0.0
         for record in nvme_records:
@@ -114,8 +117,13 @@ class TierManager(SessionOps):
         self._nvme_used += file_bytes_for(nbytes)
         self.policies[Tier.NVME].on_insert(row, (namespace, key))
 
-    def _forget_if_homeless(self, row: int) -> None:
+    def _forget_if_homeless(self, row: int, cause: str | None = None) -> None:
+        """Forget a block no tier holds any more; ``cause`` (a ``kvtier.reasons.DROP_CAUSES`` key)
+        names a drop, remembered for the turn that misses it."""
         if not self.index.col["flags"][row] & (IN_DRAM | IN_NVME | PENDING):
+            if cause is not None:
+                namespace, key = self.index.key_of(row)
+                self.drops.note(namespace, key, cause)
             self.index.remove(row)
 
     def _release_dram(self, row: int, evicted: bool) -> None:
@@ -329,7 +337,7 @@ class TierManager(SessionOps):
         self._release_dram(row, evicted=True)
         if not on_nvme:
             self.counters["dram_dropped_blocks"] += 1
-        self._forget_if_homeless(row)
+        self._forget_if_homeless(row, "dram_full")
         return True
 
     # ---- stores -------------------------------------------------------------------------------
@@ -431,7 +439,7 @@ class TierManager(SessionOps):
                 if move.dram_slot >= 0:
                     self.slots.free(move.dram_slot)
                 self._release_nvme(row, evicted=False)
-                self._forget_if_homeless(row)
+                self._forget_if_homeless(row, "bad_read")
                 self.counters["nvme_failed_reads"] += 1
                 self._warn_bad_nvme_blocks()
                 continue
@@ -497,7 +505,7 @@ class TierManager(SessionOps):
                 drop_because = "demote_unprofitable_blocks"
             if drop_because:
                 self._release_dram(row, evicted=True)
-                self._forget_if_homeless(row)
+                self._forget_if_homeless(row, "nvme_failing" if disk_failing else "not_worth_nvme")
                 self.counters["dram_dropped_blocks"] += 1
                 self.counters[drop_because] += 1
                 continue
@@ -514,7 +522,7 @@ class TierManager(SessionOps):
                 self.counters["flush_no_room_blocks"] += 1
             else:  # nowhere colder to keep it: let it go, vLLM recomputes it if it comes back
                 self._release_dram(row, evicted=True)
-                self._forget_if_homeless(row)
+                self._forget_if_homeless(row, "nvme_full" if self.nvme_capacity else "dram_full")
                 self.counters["dram_dropped_blocks"] += 1
         if not moves and not drops:
             return None
@@ -596,7 +604,7 @@ class TierManager(SessionOps):
             if self._nvme_used <= target:
                 break
             drops.append(self._release_nvme(row, evicted=True))
-            self._forget_if_homeless(row)
+            self._forget_if_homeless(row, "nvme_budget")
             self.counters["nvme_dropped_blocks"] += 1
         return self._nvme_used + size <= self.nvme_capacity
 

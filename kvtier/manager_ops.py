@@ -121,7 +121,7 @@ class SessionOps:
                 self._release_dram(row, evicted=False)
             if flags[row] & IN_NVME:
                 drops.append(self._release_nvme(row, evicted=False))
-            self._forget_if_homeless(row)
+            self._forget_if_homeless(row, "operator")
         del self.sessions[session_id]
         self._catalog_gone.add(session_id)
         self._catalog_dirty.discard(session_id)
@@ -277,10 +277,14 @@ class SessionOps:
         counts = {name: values.tolist() for name, values in self._session_counts(sessions).items()}
         now = time.time()
         state = self.session_state
+        block_tokens = self.geometry.block_tokens
         return [{
             "session_id": session.session_id,
             "state": state(session, dram, nvme),
-            "tokens": session.num_tokens,
+            # what a next turn can load: the tokens of its full stored blocks, for a session read back
+            # from the catalog as for one served here (its last prompt's length is prompt_tokens)
+            "tokens": min(session.num_tokens, session.num_blocks * block_tokens),
+            "prompt_tokens": session.num_tokens,
             "blocks": session.num_blocks,
             "blocks_missing": max(0, session.num_blocks - dram - nvme + both),
             "blocks_dram": dram,

@@ -97,10 +97,11 @@ def test_every_package_directory_is_installed():
 
 
 def test_tui_only_talks_to_the_admin_client():
-    """tui -> kvtier.control (client) only: never vLLM, torch, or the tier manager itself."""
+    """tui -> kvtier.control (client, GPU telemetry, the instance registry) and the pure turn formatter
+    only: never vLLM, torch, or the tier manager itself."""
     tui = Path(kvtier.__file__).resolve().parents[1] / "tui"
-    allowed_kvtier = {"kvtier.control.client", "kvtier.control.gpu", "kvtier.errors", "kvtier.tui.model", "kvtier.tui.collector",
-                      "kvtier.tui.app"}
+    allowed_kvtier = {"kvtier.control.client", "kvtier.control.gpu", "kvtier.control.instances", "kvtier.errors",
+                      "kvtier.reasons", "kvtier.tui.model", "kvtier.tui.collector", "kvtier.tui.app"}
     for path in tui.glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

@@ -461,3 +461,27 @@ def test_the_shutdown_write_back_writes_every_dirty_block_batch_after_batch(fing
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     assert loads(engine, keys) == 6
     engine.close()
+
+
+def test_token_counts_mean_the_same_warm_cold_or_restored(fingerprint, hbm, tmp_path):
+    """`tokens` is what a next turn can load (full stored blocks) for a session served here, read back
+    from the catalog after a restart, or restored from a snapshot; the last prompt's length is
+    `prompt_tokens`. (kvtier top showed block-aligned counts for some and raw ones for others.)"""
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    tokens = tokens_of(5, 4) + [7, 8, 9]  # a prompt 3 tokens past its last full block
+    keys = chain_block_hashes(tokens, BT)
+    ns = namespace_of(engine.fingerprint.digest)
+    engine.manager.record_session("s", ns, keys, len(tokens), token_ids=tokens)
+    engine.store("s", ns, keys, [0, 1, 2, 3], len(tokens))
+    engine.evict("s", Tier.NVME)
+    row = engine.manager.session_info("s")
+    assert (row["tokens"], row["prompt_tokens"]) == (4 * BT, 4 * BT + 3)
+    assert engine.snapshot("s", tmp_path / "s.kvsnap").ok
+    engine = restart(engine, fingerprint, hbm, tmp_path, dram_blocks=32)
+    cold = engine.manager.session_info("s")
+    assert cold["state"] == "cold" and cold["tokens"] == 4 * BT
+    engine.evict("s", None)  # dropped everywhere, then back from its snapshot
+    engine.restore(tmp_path / "s.kvsnap")
+    restored = engine.manager.session_info("s")
+    assert restored["state"] == "warm" and restored["tokens"] == 4 * BT
+    engine.close()

@@ -382,3 +382,26 @@ async def test_the_next_turn_column_shows_the_cost_models_call(live):
         row = app._row(app.selected_session())
         assert row.decision == "recompute" and str(app._cells(row)[COLUMN_NEXT]).startswith("recompute ")
 
+
+
+@aio
+async def test_session_details_say_why_its_last_turns_recomputed(live):
+    """enter on a session: its details end with its last turns and each one's reason, asked of the server."""
+    from kvtier.reasons import TurnRecord
+
+    live.engine.manager.turns.add(TurnRecord(
+        "session-0003", "req-1", time.time(), 540, 0, 512, 256, "dram", 284, "diverged",
+        "prefix diverged at token 256 from the stored session (512 tokens)", turn=2, diverged_at=256, finished=True))
+    app = make_app(live)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        app.filter = "session-0003"
+        app._sessions(app.snapshot)
+        await pilot.press("enter")
+        page = str(app.screen.query_one("Static").render())
+        assert "last turns" in page and "[diverged] prefix diverged at token 256" in page, page
+        await pilot.press("escape")
+        app.filter = "session-0004"  # a session with no turn recorded says so
+        app._sessions(app.snapshot)
+        await pilot.press("enter")
+        assert "last turns: none since the server started" in str(app.screen.query_one("Static").render())

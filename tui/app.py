@@ -710,6 +710,22 @@ class TopApp(App):
             self._sessions(self.snapshot)
             self._header(self.snapshot)
 
+    def _turns(self, row: SessionRow) -> list[str]:
+        """The session's last turns and why each recomputed what it did (``kvtier inspect``'s lines),
+        asked of its server when the details open; nothing when replaying."""
+        client = self._client_for()
+        if client is None:
+            return []
+        try:
+            turns = client.get(AdminClient.session_path(row.session_id)).get("turns") or []
+        except KvtierError as exc:
+            return ["", f"last turns: not available ({exc.message})"]
+        if not turns:
+            return ["", "last turns: none since the server started"]
+        from kvtier.reasons import format_turn
+
+        return ["", "last turns (why each recomputed what it did):"] + [f"  {format_turn(t)}" for t in turns[-5:]]
+
     def action_next_instance(self) -> None:
         if self.box is None or len(self.box.names()) < 2:
             self.notify("one kvtier instance on this box", severity="information")
@@ -743,10 +759,9 @@ class TopApp(App):
                                          f"{row.decision}" if row.restore_s is not None else
                                          "no cost model yet (the engine has not timed enough prefill)"),
                  f"{'job':<12}{'#' + str(row.job) if row.job else 'none in flight'}"]
-        if row.last_turn:
-            lines.append(f"{'last turn':<12}{row.last_turn}")
         if row.instance:
             lines.append(f"{'instance':<12}{row.instance}")
+        lines += self._turns(row)
         jobs = [j for j in (self.snapshot.jobs if self.snapshot else ()) if j.session_id == row.session_id][:5]
         if jobs:
             lines += ["", "recent jobs:"] + [f"  #{j.id} {j.kind} {j.state} {human_bytes(j.bytes)}" for j in jobs]

@@ -241,9 +241,9 @@ class BoxCollector:
     def __init__(self, selected: str | None = None, nvml_opened: tuple | None = None,
                  list_instances: Callable[[], list] | None = None, disk: Callable[[], Any] | None = None,
                  clock: Callable[[], float] = time.time):
-        from kvtier.control import instances
+        from kvtier.control.instances import list_instances as registered
 
-        self._list = list_instances or instances.list_instances
+        self._list = list_instances or registered
         self._opened = nvml_opened if nvml_opened is not None else open_gpus()
         self._box = Nvml(None, self._opened)
         self._disk, self._clock = disk, clock

@@ -87,8 +87,13 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
             emit_json(doc)
             return
         weights = (doc.get("fingerprint") or {}).get("weights") or "-"
-        typer.echo(f"model {doc.get('model')}  weights {weights}  KV {doc.get('kv_dtype')}  "
-                   f"API {doc.get('api_url') or '-'}  up {doc['uptime_s']:.0f}s")
+        revision = doc.get("revision") or (doc.get("commit") and "")
+        if doc.get("commit"):
+            revision = f"{revision} ({doc['commit'][:12]})".strip()
+        typer.echo(f"instance {doc.get('instance') or '-'}  model {doc.get('model')}"
+                   + (f"  revision {revision}" if revision else "")
+                   + f"  weights {weights}  KV {doc.get('kv_dtype')}  API {doc.get('api_url') or '-'}  "
+                     f"up {doc['uptime_s']:.0f}s")
         rows = []
         for tier in ("hbm", "dram", "nvme"):
             t = doc["tiers"][tier]
@@ -147,7 +152,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
                 json_out: bool = typer.Option(False, "--json", help="Print JSON."),
                 socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
                 _instance: Optional[str] = INSTANCE_OPTION) -> None:
-        """One session: blocks and bytes per tier, codec, tokens, last use, job in flight."""
+        """One session: blocks and bytes per tier, codec, tokens, last use, job in flight, and its last
+        turns: what each loaded, from where, and why it recomputed the rest."""
         from kvtier.control.client import AdminClient
 
         doc = _client(socket).get(AdminClient.session_path(session))
@@ -165,6 +171,15 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         else:
             rows.append(("next turn", "no cost model yet (the engine has not timed a prefill)"))
         print_table(f"session {session}", ["", ""], rows)
+        turns = doc.get("turns") or []
+        if not turns:
+            typer.echo("last turns: none since this server started")
+            return
+        from kvtier.reasons import format_turn
+
+        typer.echo("last turns (oldest first; why each recomputed what it did):")
+        for turn in turns:
+            typer.echo(f"  {_ago(turn['time']):>8}  {format_turn(turn)}")
 
     def write(action: str, label: str, session: str, body: dict, wait: bool, json_out: bool,
               socket: Optional[str]) -> None:

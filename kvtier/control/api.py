@@ -89,7 +89,11 @@ def _sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
 
 
 def _session_view(ops: "Ops", session_id: str) -> dict:
-    return _decorate(ops, ops.manager.session_info(session_id))
+    """One session, with its last turns (oldest first): what each found, loaded, and why not more
+    (``kvtier.reasons``). Called under the lock."""
+    info = _decorate(ops, ops.manager.session_info(session_id))
+    info["turns"] = ops.manager.turns.to_dicts(info["session_id"])
+    return info
 
 
 def _decorate(ops: "Ops", info: dict) -> dict:
@@ -243,7 +247,8 @@ OPENAPI = {
         "/v1/status": {"get": _op("Model, tiers, sessions by state, jobs, warnings")},
         "/v1/tiers": {"get": _op("Per tier: bytes, capacity, blocks, codec, tokens per GiB")},
         "/v1/sessions": {"get": _op("Sessions (query: state, sort, limit)")},
-        "/v1/sessions/{session}": {"get": _op("One session", params=("session",))},
+        "/v1/sessions/{session}": {"get": _op("One session, with its last turns and why each recomputed",
+                                              params=("session",))},
         "/v1/jobs": {"get": _op("Recent jobs")},
         "/v1/jobs/{job}": {"get": _op("One job", params=("job",))},
         "/v1/sessions/{session}/pin": {"post": _op("Pin at a tier", {"tier": _TIER_ENUM}, ("session",))},
@@ -262,6 +267,25 @@ OPENAPI = {
 
 
 # ---- metrics -----------------------------------------------------------------------------------
+def _turn_metrics(counters: dict, family) -> list:
+    """Turns by reason (kvtier.reasons): every turn, the misses among them, and the prompt tokens
+    vLLM recomputed in them. Every reason is listed, at 0 until it happens."""
+    from kvtier.reasons import HIT_REASONS, REASONS
+
+    turns = family("kvtier_turns", "Admitted requests, by what kvtier found (kvtier inspect explains each)",
+                   labels=["reason"])
+    misses = family("kvtier_misses", "Admitted requests that recomputed servable prompt tokens, by why",
+                    labels=["reason"])
+    tokens = family("kvtier_recompute_tokens", "Prompt tokens vLLM recomputed, by the turn's reason",
+                    labels=["reason"])
+    for reason in REASONS:
+        turns.add_metric([reason], counters.get(f"turns_{reason}", 0))
+        if reason not in HIT_REASONS:
+            misses.add_metric([reason], counters.get(f"turns_{reason}", 0))
+        tokens.add_metric([reason], counters.get(f"recomputed_tokens_{reason}", 0))
+    return [turns, misses, tokens]
+
+
 def metrics(ops: "Ops") -> bytes:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
@@ -302,6 +326,7 @@ def metrics(ops: "Ops") -> bytes:
             for kind, values in sorted(latency.items()):
                 jobs.add_metric([kind], len(values), sum(values))
             yield jobs
+            yield from _turn_metrics(counters, CounterMetricFamily)
             decisions = CounterMetricFamily("kvtier_load_decisions", "Admitted requests with a stored hit, by "
                                             "what the cost model chose", labels=["decision"])
             for decision in ("load", "split", "recompute"):

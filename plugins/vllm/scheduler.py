@@ -41,6 +41,7 @@ from kvtier.jobs import Job, JobKind, RankMerger
 from kvtier.layout import ModelFingerprint
 from kvtier.manager import TierManager
 from kvtier.tiers.nvme import scan_shards
+from kvtier.plugins.vllm import turns
 from kvtier.plugins.vllm.geometry import shard_budgets
 
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "session_of", "wait_until_quiet"]
@@ -106,6 +107,9 @@ class RequestState:
     counted: bool = False  # its prompt is in the hit-rate counters
     decision: str | None = None  # load | split | recompute, for the hit it had at admission
     skipped_blocks: int = 0  # blocks not stored because the prefix was below the break-even (counted once)
+    lookup: tuple | None = None  # what the last lookup saw: (servable tokens, tokens held, LoadCandidate, decision)
+    facts: Any = None  # kvtier.reasons.TurnFacts of its turn (from its first admission)
+    turn: Any = None  # kvtier.reasons.TurnRecord: its entry in the session's turn log
 
 
 class KVTierScheduler:
@@ -296,7 +300,7 @@ class KVTierScheduler:
 
         info = {"model": self.fingerprint.model_id, "api_url": self._api_url, "kv_dtype": self.fingerprint.geometry.dtype,
                 "block_tokens": self.block_tokens, "instance": extra.get("instance"),
-                "revision": extra.get("revision"), "weights": self.fingerprint.weights}
+                "revision": extra.get("revision"), "commit": extra.get("commit"), "weights": self.fingerprint.weights}
         self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, extra.get("snapshot_dir"), info, hbm=self.hbm_usage,
                        cost=self.cost)
         tcp = None
@@ -387,10 +391,12 @@ class KVTierScheduler:
         bs = self.block_tokens
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // bs)  # never the last token
         start = num_computed_tokens // bs
+        state.lookup = (usable * bs, None, None, None)  # for the turn's record (kvtier.reasons)
         if start >= usable:
             return 0, False
         rows = self.manager.index.lookup(state.namespace, request.block_hashes[:usable])  # no side effects
         hit = len(rows) - start
+        state.lookup = (usable * bs, len(rows) * bs, None, None)
         if hit <= 0:
             return 0, False
         flags = (self.manager.index.col["flags"][rows[start:]] & IN_DRAM) != 0
@@ -398,17 +404,21 @@ class KVTierScheduler:
                                   prompt_tokens=request.num_tokens)
         n = blocks_to_load(candidate, self.cost)
         state.decision = "recompute" if n == 0 else "load" if n == hit else "split"
+        state.lookup = (usable * bs, len(rows) * bs, candidate, state.decision)
         return n * bs, n > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._state(request)
-        if not state.counted:  # hit rates: prompt tokens admitted, and how many vLLM's HBM cache held
+        first = not state.counted
+        if first:  # hit rates: prompt tokens admitted, and how many vLLM's HBM cache held
             state.counted = True
             self.manager.counters["prompt_tokens"] += int(getattr(request, "num_prompt_tokens", request.num_tokens))
             self.manager.counters["hbm_hit_tokens"] += state.local_tokens
             if state.decision is not None:
                 self.manager.counters[f"decision_{state.decision}"] += 1
         if num_external_tokens <= 0:
+            if first:
+                turns.admitted(self, state, request, None, 0, 0)
             return
         block_ids = list(blocks.get_block_ids()[0])
         start = state.local_tokens // self.block_tokens
@@ -425,6 +435,9 @@ class KVTierScheduler:
             self._missing.extend(block_ids[start + loaded : start + count])
         state.loaded_tokens = num_external_tokens
         self.manager.counters["loaded_tokens"] += num_external_tokens
+        if first:
+            turns.admitted(self, state, request, job, count * self.block_tokens,
+                           (count - loaded) * self.block_tokens)
 
     # ---- per step -----------------------------------------------------------------------------
     def build_jobs(self, scheduler_output: Any) -> StepPlan:
@@ -481,6 +494,7 @@ class KVTierScheduler:
             # Stores resume (from the first block) if the request grows past it while it holds them.
             self.manager.counters["store_skipped_blocks"] += full - max(state.skipped_blocks, state.stored_blocks)
             state.skipped_blocks = max(state.skipped_blocks, full)
+            turns.store_skipped(state)
             return
         first = state.stored_blocks
         job = self.manager.prepare_store(state.session_id, state.namespace, keys[first:full], state.block_ids[first:full],
@@ -513,6 +527,8 @@ class KVTierScheduler:
             if result is None:
                 continue
             job = self.manager.jobs.get(result.job_id)
+            if job is not None and job.kind == JobKind.LOAD and not result.ok:  # recomputed: the turn says why
+                turns.load_failed(self, job, result)
             if job is not None and job.kind == JobKind.STORE and job.req_id is not None:
                 pending = self._stores_of.get(job.req_id)
                 if pending is not None:
@@ -535,6 +551,7 @@ class KVTierScheduler:
         state = self.requests.get(request.request_id)
         if state is None:
             return held, None
+        turns.finished(self, state)
         session = self.manager.sessions.get(state.session_id)
         if session is not None:
             session.hot = False
