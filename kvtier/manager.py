@@ -22,14 +22,15 @@ import itertools
 import threading
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
 from kvtier.errors import NotFoundError, UsageError
 from kvtier.codecs import get_codec, resolve_codec
 from kvtier.decide import worth_keeping
-from kvtier.index import FIRST, IN_DRAM, IN_NVME, PENDING, BlockIndex, Session, Tier, validate_session_id
+from kvtier.index import (FIRST, IN_DRAM, IN_NVME, PENDING, BlockIndex, Session, Tier, chain_block_hashes,
+                          validate_session_id)
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint
 from kvtier.manager_ops import SessionOps
@@ -85,6 +86,10 @@ class TierManager(SessionOps):
         self.counters: Counter[str] = Counter()
         self.warnings: dict[str, str] = {}
         self.cost = None  # a kvtier.costmodel.CostModel when the connector has one (demotion asks it)
+        # how block keys are computed from token ids (restores recompute them, never trust a file's):
+        # vLLM's own hash in the connector (set by the scheduler half), a sha256 chain without vLLM
+        self.block_keys: Callable[[list[int], str | None], list[bytes]] = \
+            lambda tokens, _salt: chain_block_hashes(tokens, self.geometry.block_tokens)
         self.turns = TurnLog()  # the last turns of each session: what was found, loaded, and why not more
         self.drops = DropLog()  # recently dropped blocks, with when and why (a later turn's miss names them)
         self._nvme_retry_at = 0.0  # after a failed NVMe write: victims are dropped until then
@@ -106,6 +111,12 @@ class TierManager(SessionOps):
         job = Job(job_id=next(self._job_ids), kind=kind, **fields)
         self.jobs[job.job_id] = job
         return job
+
+    @property
+    def key_scheme(self) -> str:
+        """Names the hash ``block_keys`` computes (a snapshot records it: keys of the same scheme must
+        match the recomputed ones)."""
+        return str(getattr(self.block_keys, "scheme", "kvtier:sha256-chain"))
 
     def _move(self, row: int, **fields) -> BlockMove:
         namespace, key = self.index.key_of(row)

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvtier.errors import CapacityError, FingerprintMismatchError, UsageError
 from kvtier.codecs import get_codec
-from kvtier.index import FIRST, IN_DRAM, IN_NVME, PENDING, Tier
+from kvtier.index import FIRST, IN_DRAM, IN_NVME, PENDING, Tier, validate_session_id
 from kvtier.jobs import Job, JobKind, JobResult
 from kvtier.tiers.nvme import file_bytes_for
 
@@ -168,7 +168,7 @@ class SessionOps:
         token_ids = self.session_tokens(session)
         covered = len(rows) * self.geometry.block_tokens
         header = {"session_id": session_id, "namespace": session.namespace, "num_tokens": tokens,
-                  "codec": target, "sizes": sizes,
+                  "codec": target, "sizes": sizes, "key_scheme": self.key_scheme,
                   "token_ids": token_ids[:covered].tolist() if token_ids is not None and len(token_ids) >= covered
                   else []}
         return self._new_job(JobKind.SNAPSHOT, moves=moves, session_id=session_id, path=str(path), header=header)
@@ -176,8 +176,51 @@ class SessionOps:
     def _complete_snapshot(self: "TierManager", job: Job, result: JobResult) -> None:
         self.index.ref([m.row for m in job.moves], -1)
 
-    def prepare_restore(self: "TierManager", info: "SnapshotInfo", tier: Tier = Tier.DRAM) -> Job | None:
-        """A RESTORE job bringing a snapshot's missing blocks into DRAM (overflow: NVMe) or NVMe."""
+    def max_snapshot_header(self: "TierManager") -> int:
+        """The largest snapshot header a session of this server can need (see ``snapshot.header_cap``)."""
+        from kvtier.snapshot import header_cap
+
+        blocks = self.slots.num_slots + self.nvme_capacity // max(1, self.geometry.block_bytes)
+        return header_cap(blocks, self.geometry.block_tokens)
+
+    def trusted_keys(self: "TierManager", info: "SnapshotInfo", cache_salt: str | None = None) -> list[bytes]:
+        """The keys a snapshot's blocks go under here, recomputed from its token ids (see
+        ``prepare_restore``); SnapshotError when the file cannot be trusted."""
+        from kvtier.errors import SnapshotError
+        from kvtier.index import namespace_of
+
+        def refuse(why: str, hint: str) -> SnapshotError:
+            self.counters["restores_refused_untrusted"] += 1
+            return SnapshotError(f"snapshot {info.path} refused: {why}", hint=hint, path=str(info.path))
+
+        if info.namespace != namespace_of(self.fingerprint.digest, cache_salt):
+            raise refuse("its namespace is not this engine's for " + ("this cache salt" if cache_salt else
+                                                                     "requests without a cache salt"),
+                         "restore it with the cache salt of the tenant it was taken for, on the same model")
+        needed = len(info.blocks) * self.geometry.block_tokens
+        if len(info.token_ids) < needed:
+            raise refuse(f"its token ids cover {len(info.token_ids)} of the {needed} tokens its blocks hold, "
+                         "so their keys cannot be recomputed", "take the snapshot again with this kvtier version")
+        keys = self.block_keys(list(info.token_ids[:needed]), cache_salt)
+        if len(keys) != len(info.blocks):
+            raise refuse("its token ids do not make its number of blocks", "take the snapshot again")
+        if (info.meta or {}).get("key_scheme") == self.key_scheme:  # same hash: the file's keys must agree
+            for position, (entry, key) in enumerate(zip(info.blocks, keys)):
+                if entry.key != key:
+                    raise refuse(f"block {position}'s key is not the hash of its tokens (forged or damaged)",
+                                 "restore only snapshots taken by a kvtier server; take a new one")
+        return keys
+
+    def prepare_restore(self: "TierManager", info: "SnapshotInfo", tier: Tier = Tier.DRAM,
+                        cache_salt: str | None = None) -> Job | None:
+        """A RESTORE job bringing a snapshot's missing blocks into DRAM (overflow: NVMe) or NVMe.
+
+        Nothing in the file is trusted for where blocks go: the namespace is this engine's own (its
+        fingerprint and the tenant's ``cache_salt``), and every block key is recomputed from the
+        file's token ids with this engine's hash (``block_keys``). A file whose namespace is not
+        this engine's, whose token ids do not cover its blocks, or whose keys disagree with the
+        recomputed ones although it says it used the same hash, is refused -- before any slot,
+        row or byte of NVMe is taken."""
         why = self.fingerprint.mismatch(info.fingerprint.engine)
         if why:
             raise FingerprintMismatchError(
@@ -185,6 +228,8 @@ class SessionOps:
                 hint="restore it on a server running the same model, KV dtype, block size and tensor-parallel size",
                 path=str(info.path),
             )
+        validate_session_id(info.session_id)  # before anything is taken: a refused file leaks nothing
+        keys = self.trusted_keys(info, cache_salt)
         from kvtier.snapshot import shard_path
 
         for rank in range(1, self.fingerprint.shards):  # a sharded snapshot is one file per rank
@@ -194,9 +239,10 @@ class SessionOps:
                     f"snapshot {info.path} was taken at tensor-parallel size {self.fingerprint.shards}, and its "
                     f"rank-{rank} shard {sibling} is missing",
                     hint="copy every <snapshot>.rank<N> file along with the snapshot", path=str(info.path))
+        namespace = info.namespace  # checked equal to this engine's own by trusted_keys
         moves, drops = [], []
         for position, entry in enumerate(info.blocks):
-            if self.index.row_of(info.namespace, entry.key) is not None:
+            if self.index.row_of(namespace, keys[position]) is not None:
                 continue
             fits = entry.nbytes <= self.slots.slot_bytes
             slot = self._allocate_slot() if tier == Tier.DRAM and (fits or not self.nvme_capacity) else None
@@ -210,13 +256,12 @@ class SessionOps:
                 self._nvme_used += size
             first = position == 0
             flags = PENDING | (IN_NVME if to_nvme else IN_DRAM) | (FIRST if first else 0)
-            row = self.index.add(info.namespace, entry.key, flags)
+            row = self.index.add(namespace, keys[position], flags)
             self.index.col["dram_slot"][row] = -1 if to_nvme else slot
             moves.append(self._move(row, dram_slot=-1 if to_nvme else slot, nbytes=entry.nbytes, codec=info.codec,
                                     to_nvme=to_nvme, position=position, first=first, to_codec=to_codec,
                                     reserved=size))
-        self.record_session(info.session_id, info.namespace, [b.key for b in info.blocks], info.num_tokens,
-                            token_ids=info.token_ids or None)
+        self.record_session(info.session_id, namespace, keys, info.num_tokens, token_ids=info.token_ids or None)
         if not moves and not drops:
             return None
         return self._new_job(JobKind.RESTORE, moves=moves, drops=drops, session_id=info.session_id,

@@ -626,6 +626,7 @@ class Mover:
             header["namespace"], codec=header.get("codec", job.moves[0].codec),
             num_tokens=header["num_tokens"], keys=[m.key for m in job.moves], payloads=blocks,
             block_nbytes=sizes, token_ids=header.get("token_ids") or (),
+            meta={"key_scheme": header["key_scheme"]} if header.get("key_scheme") else None,
         )
         result.path = str(info.path)
 

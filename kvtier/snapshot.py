@@ -52,7 +52,7 @@ from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.records import checksum, fsync_dir, probe_direct_io
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "BlockEntry", "SnapshotInfo", "SnapshotWriter", "write_snapshot",
-           "open_snapshot", "read_blocks", "verify_snapshot", "remove_stale_temp_files", "shard_path"]
+           "header_cap", "open_snapshot", "read_blocks", "verify_snapshot", "remove_stale_temp_files", "shard_path"]
 
 MAGIC = b"KVTSNAP\0"
 FORMAT_VERSION = 1
@@ -404,8 +404,17 @@ def _open_file(path: str, direct: bool = False) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def open_snapshot(path: str | os.PathLike[str]) -> SnapshotInfo:
-    """Read and fully validate a snapshot's preamble and header (payloads are not read)."""
+def header_cap(max_blocks: int, block_tokens: int) -> int:
+    """The largest header a snapshot of at most ``max_blocks`` blocks of ``block_tokens`` tokens can
+    need (each block's entry with 20-digit numbers, each token id up to 11 characters), plus room
+    for the fingerprint, names and meta: what a server lets a file make it parse."""
+    return min(MAX_HEADER_BYTES, (64 << 10) + max_blocks * (200 + 12 * block_tokens))
+
+
+def open_snapshot(path: str | os.PathLike[str], max_header_bytes: int = MAX_HEADER_BYTES) -> SnapshotInfo:
+    """Read and fully validate a snapshot's preamble and header (payloads are not read).
+    ``max_header_bytes``: refuse longer headers before reading them (a server passes ``header_cap``
+    of what one session can hold on it, so no file makes it build a huge JSON object)."""
     path = os.fspath(path)
     fd, size = _open_file(path)
     try:
@@ -422,6 +431,9 @@ def open_snapshot(path: str | os.PathLike[str]) -> SnapshotInfo:
             raise _fail(path, f"unsupported format flags {flags:#x}", "upgrade kvtier")
         if not 0 < header_len <= MAX_HEADER_BYTES:
             raise _fail(path, f"header length {header_len} out of range (1..{MAX_HEADER_BYTES})", _CORRUPT)
+        if header_len > max_header_bytes:
+            raise _fail(path, f"header of {header_len:,} bytes is larger than any session this server can hold "
+                              f"needs ({max_header_bytes:,})", "restore it on a server with larger tiers")
         header = os.pread(fd, header_len, PREAMBLE_BYTES) if PREAMBLE_BYTES + header_len <= size else b""
     finally:
         os.close(fd)

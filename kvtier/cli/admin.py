@@ -242,11 +242,14 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
     @handle_errors
     def restore(file: str = typer.Argument(..., help="A .kvsnap file (read by the server)."),
                 tier: str = typer.Option("dram", "--tier", help="dram or nvme."),
+                cache_salt: Optional[str] = typer.Option(
+                    None, "--cache-salt", help="The tenant's cache salt, when its requests carry one."),
                 wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
                 json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
                 socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
                 _instance: Optional[str] = INSTANCE_OPTION) -> None:
-        """Bring a snapshot's session back into the tiers (its next turn loads instead of recomputing)."""
+        """Bring a snapshot's session back into the tiers (its next turn loads instead of recomputing).
+        The server recomputes every block key from the file's token ids: a forged file is refused."""
         from pathlib import Path
 
         path = Path(file).expanduser()
@@ -255,7 +258,10 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
 
             raise NotFoundError(f"snapshot file {file} does not exist", hint="kvtier snapshot SESSION writes one")
         client = _client(socket)
-        job = client.post("/v1/restore", {"path": str(path.resolve()), "tier": tier})
+        body = {"path": str(path.resolve()), "tier": tier}
+        if cache_salt:
+            body["cache_salt"] = cache_salt
+        job = client.post("/v1/restore", body)
         _finish(client, job, wait, json_out, f"restore {path.name}")
 
     @app.command("flush")

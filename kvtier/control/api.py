@@ -191,11 +191,17 @@ def _restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
     if "path" not in body:
         raise ApiError(400, "restore needs a snapshot path", hint='{"path": "/data/snapshots/agent.kvsnap"}')
     tier = _tier(body.get("tier", "dram"), "tier", _TIERS)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
+        raise ApiError(400, "cache_salt must be a non-empty string", hint="the salt the tenant's requests carry")
     path = resolve_snapshot_path(ops, body["path"], "restore")
-    info = open_snapshot(path)  # validates the whole header; SnapshotError -> 400 with a hint
+    # validates the whole header (SnapshotError -> 400 with a hint), no longer than a session here can need
+    info = open_snapshot(path, ops.manager.max_snapshot_header())
     with ops.lock:
         ops._check_free(info.session_id)
-        record = ops._submit("restore", info.session_id, ops.manager.prepare_restore(info, tier))
+        # keys recomputed from the file's token ids, the namespace this engine's own: nothing the
+        # file says decides where its KV goes (refused files take no slot, row or NVMe byte)
+        record = ops._submit("restore", info.session_id, ops.manager.prepare_restore(info, tier, salt))
     ops.manager.sync_catalog(ops.lock)
     if record.state == "queued":
         ops.wake()
@@ -257,7 +263,9 @@ OPENAPI = {
             "to": {"type": "string", "enum": ["dram", "nvme", "drop"]}}, ("session",))},
         "/v1/sessions/{session}/snapshot": {"post": _op("Snapshot to a file", {"path": {"type": "string"}},
                                                          ("session",))},
-        "/v1/restore": {"post": _op("Restore a snapshot file", {"path": {"type": "string"}, "tier": _TIER_ENUM})},
+        "/v1/restore": {"post": _op("Restore a snapshot file (keys recomputed from its token ids)",
+                                    {"path": {"type": "string"}, "tier": _TIER_ENUM,
+                                     "cache_salt": {"type": "string"}})},
         "/v1/flush": {"post": _op("Copy DRAM-only blocks (all, or one session's) to NVMe now",
                                   {"session": {"type": "string"}})},
         "/v1/costmodel": {"get": _op("Measured link rates, the fitted prefill model, break-even lengths")},

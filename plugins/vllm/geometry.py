@@ -140,3 +140,35 @@ def layout_name(kv_layer: Any) -> str:
     if kv_layer.dim() == 5:
         return "kv_first" if kv_layer.shape[0] == 2 and kv_layer.shape[1] != 2 else "block_first"
     return "cpu" if kv_layer.device.type == "cpu" else "head_split"
+
+
+class VllmBlockKeys:
+    """vLLM's own block hash of token ids -- what ``request.block_hashes`` holds, so what kvtier
+    files blocks under: chained ``hash_block_tokens`` with the engine's ``--prefix-caching-hash-algo``
+    and its ``NONE_HASH`` seed, the tenant's cache salt in the first block's extra keys. A restore
+    recomputes a snapshot's keys with it instead of trusting the file's. ``NONE_HASH`` is read at
+    each call: vLLM sets it after the connector is built."""
+
+    def __init__(self, vllm_config: Any, block_tokens: int):
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        self.algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+        self.hash_fn = get_hash_fn_by_name(self.algo)
+        self.block_tokens = block_tokens
+
+    @property
+    def scheme(self) -> str:
+        from vllm.v1.core import kv_cache_utils
+
+        seed = getattr(kv_cache_utils, "NONE_HASH", None)
+        return f"vllm:{self.algo}:{bytes(seed).hex()[:16] if seed is not None else 'unset'}"
+
+    def __call__(self, tokens: list[int], cache_salt: str | None) -> list[bytes]:
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+        keys, parent, bs = [], None, self.block_tokens
+        for start in range(0, len(tokens) - bs + 1, bs):
+            extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
+            parent = hash_block_tokens(self.hash_fn, parent, tokens[start:start + bs], extra)
+            keys.append(bytes(parent))
+        return keys

@@ -42,7 +42,7 @@ from kvtier.layout import ModelFingerprint
 from kvtier.manager import TierManager
 from kvtier.tiers.nvme import scan_shards
 from kvtier.plugins.vllm import turns
-from kvtier.plugins.vllm.geometry import shard_budgets
+from kvtier.plugins.vllm.geometry import VllmBlockKeys, shard_budgets
 
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "session_of", "wait_until_quiet"]
 
@@ -143,6 +143,7 @@ class KVTierScheduler:
         self.write_behind_s = write_behind_seconds(extra.get("write_behind", "10")) if cold_dir else None
         self.cost = self._cost_model(extra, cold_dir)
         self.manager.cost = self.cost  # demotion asks it too
+        self.manager.block_keys = VllmBlockKeys(vllm_config, self.block_tokens)  # restores recompute keys with it
         self._stopping = threading.Event()
         self._last_step = 0.0  # monotonic time of the last step start or end: the rate refresher waits for quiet
         refresh_s = float(extra.get("rates_refresh_s", 300))
