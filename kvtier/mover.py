@@ -627,8 +627,21 @@ class Mover:
             num_tokens=header["num_tokens"], keys=[m.key for m in job.moves], payloads=blocks,
             block_nbytes=sizes, token_ids=header.get("token_ids") or (),
             meta={"key_scheme": header["key_scheme"]} if header.get("key_scheme") else None,
+            sign_key=self._signing_key(),
         )
         result.path = str(info.path)
+
+    def _signing_key(self) -> bytes | None:
+        """This box's snapshot key (``kvtier.trust``), made on first use; None if it cannot be had
+        (the snapshot is then written unsigned, and restores only with --trust-unsigned)."""
+        from kvtier.errors import KvtierError
+        from kvtier.trust import signing_key
+
+        try:
+            return signing_key()
+        except (KvtierError, OSError) as exc:
+            log.warning("kvtier: snapshot written unsigned: %s", exc)
+            return None
 
     def _snapshot_sizes(self, job: Job) -> list[int] | None:
         """Each block's size in this rank's snapshot file, known before writing it (None when a

@@ -100,6 +100,8 @@ class SnapshotInfo:
     file_len: int
     payload_offset: int
     version: int = FORMAT_VERSION
+    # kvtier.trust: True signed by a trusted key, False unsigned or signed by another, None not checked
+    signed: bool | None = None
 
     @property
     def payload_bytes(self) -> int:
@@ -185,8 +187,10 @@ class SnapshotWriter:
 
     def __init__(self, path: str | os.PathLike[str], fingerprint: ModelFingerprint, session_id: str,
                  namespace: bytes, codec: str, num_tokens: int, token_ids: Sequence[int] = (), *,
-                 block_nbytes: Sequence[int], keys: Sequence[bytes], meta: dict | None = None) -> None:
+                 block_nbytes: Sequence[int], keys: Sequence[bytes], meta: dict | None = None,
+                 sign_key: bytes | None = None) -> None:
         self.path = Path(path)
+        self._sign_key = sign_key
         self._nbytes, self._keys = [int(n) for n in block_nbytes], [bytes(k) for k in keys]
         if len(self._nbytes) != len(self._keys) or len(self._keys) > MAX_BLOCKS:
             raise _fail(path, f"{len(self._keys)} keys, {len(self._nbytes)} block sizes (max {MAX_BLOCKS})")
@@ -320,6 +324,10 @@ class SnapshotWriter:
         area = mmap.mmap(-1, self._payload_offset)
         area[: _PREAMBLE.size] = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, self._header_len, checksum(header),
                                                 self._payload_offset, self._file_len)
+        if self._sign_key:  # in the preamble's spare bytes: readers that do not know it ignore them
+            from kvtier.trust import SIGNATURE_BYTES, sign
+
+            area[_PREAMBLE.size:_PREAMBLE.size + SIGNATURE_BYTES] = sign(self._sign_key, header)
         area[PREAMBLE_BYTES:] = header
         _pwrite_all(self._fd, memoryview(area), 0)
         os.fdatasync(self._fd)
@@ -361,7 +369,7 @@ def write_snapshot(path: str | os.PathLike[str], fingerprint: ModelFingerprint, 
                    namespace: bytes, codec: str, num_tokens: int, keys: Sequence[bytes],
                    payloads: Iterable[Any], token_ids: Sequence[int] = (), meta: dict | None = None,
                    progress: Callable[[int, int], None] | None = None,
-                   block_nbytes: Sequence[int] | None = None) -> SnapshotInfo:
+                   block_nbytes: Sequence[int] | None = None, sign_key: bytes | None = None) -> SnapshotInfo:
     """Write a snapshot of ``payloads`` (in key order); calls ``progress(done_bytes, total_bytes)``.
 
     Without ``block_nbytes`` the payloads are listed first to learn their sizes; pass it to stream.
@@ -371,7 +379,7 @@ def write_snapshot(path: str | os.PathLike[str], fingerprint: ModelFingerprint, 
         block_nbytes = [len(_bytes_view(p)) for p in payloads]
     total, done, end = sum(block_nbytes), 0, object()
     with SnapshotWriter(path, fingerprint, session_id, namespace, codec, num_tokens, token_ids,
-                        block_nbytes=block_nbytes, keys=keys, meta=meta) as writer:
+                        block_nbytes=block_nbytes, keys=keys, meta=meta, sign_key=sign_key) as writer:
         source = iter(payloads)
         for index in range(len(keys)):
             payload = next(source, end)
@@ -411,10 +419,12 @@ def header_cap(max_blocks: int, block_tokens: int) -> int:
     return min(MAX_HEADER_BYTES, (64 << 10) + max_blocks * (200 + 12 * block_tokens))
 
 
-def open_snapshot(path: str | os.PathLike[str], max_header_bytes: int = MAX_HEADER_BYTES) -> SnapshotInfo:
+def open_snapshot(path: str | os.PathLike[str], max_header_bytes: int = MAX_HEADER_BYTES,
+                  trusted_keys: list[bytes] | None = None) -> SnapshotInfo:
     """Read and fully validate a snapshot's preamble and header (payloads are not read).
     ``max_header_bytes``: refuse longer headers before reading them (a server passes ``header_cap``
-    of what one session can hold on it, so no file makes it build a huge JSON object)."""
+    of what one session can hold on it, so no file makes it build a huge JSON object).
+    ``trusted_keys``: check the signature (``SnapshotInfo.signed``; see ``kvtier.trust``)."""
     path = os.fspath(path)
     fd, size = _open_file(path)
     try:
@@ -446,6 +456,13 @@ def open_snapshot(path: str | os.PathLike[str], max_header_bytes: int = MAX_HEAD
     except (ValueError, RecursionError) as exc:
         raise _fail(path, f"header is not valid JSON ({type(exc).__name__})", _CORRUPT) from None
     info = _info_from(path, doc, header_len, payload_offset, file_len)
+    if trusted_keys is not None:
+        from dataclasses import replace
+
+        from kvtier.trust import SIGNATURE_BYTES, verify
+
+        signature = pre[_PREAMBLE.size:_PREAMBLE.size + SIGNATURE_BYTES]
+        info = replace(info, signed=verify(trusted_keys, header, signature))
     if size < file_len:
         raise _fail(path, f"truncated ({size} of {file_len} bytes)", _TRUNCATED)
     if size > file_len:

@@ -10,6 +10,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # ("'_lib_fn_wrapper' object has no attribute 'get'"). Engines are created in this process, so the
 # codecs use their torch path here; the numba kernels are tested in a subprocess (test_codecs.py).
 os.environ.setdefault("KVTIER_NO_NUMBA", "1")
+# snapshot signing keys (kvtier.trust) of the test run, not of the user running it
+os.environ.setdefault("KVTIER_SNAPSHOT_KEYS", os.path.join(__import__("tempfile").gettempdir(),
+                                                           f"kvtier-test-keys-{os.getuid()}", "snapshot-keys"))
 
 
 @pytest.fixture

@@ -29,8 +29,10 @@ def keys_of(seed: int, blocks: int) -> list[bytes]:
 def server(fingerprint, hbm, tmp_path):
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=16, nvme_blocks=64)
     ns = namespace_of(fingerprint.digest)
-    engine.store("agent-1", ns, keys_of(1, 4), [0, 1, 2, 3], num_tokens=64)
-    engine.store("agent-2", ns, keys_of(2, 2), [4, 5], num_tokens=40)
+    for session, seed, blocks, tokens, hbm_blocks in (("agent-1", 1, 4, 64, [0, 1, 2, 3]), ("agent-2", 2, 2, 40, [4, 5])):
+        ids = list(range(seed * 10_000, seed * 10_000 + tokens))  # as vLLM's scheduler half records them
+        engine.manager.record_session(session, ns, keys_of(seed, blocks), tokens, token_ids=ids)
+        engine.store(session, ns, keys_of(seed, blocks), hbm_blocks, num_tokens=tokens)
     sock = tmp_path / "run" / "kvtier.sock"
     admin = LocalAdmin(engine, sock, snapshot_dir=tmp_path / "snapshots").start()
     admin.sock = str(sock)

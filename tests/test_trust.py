@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +183,88 @@ def test_a_header_larger_than_any_session_here_is_not_parsed(fingerprint, hbm, t
     with pytest.raises(SnapshotError, match="larger than any session"):
         open_snapshot(path, engine.manager.max_snapshot_header())
     engine.close()
+
+
+# ---- signatures: where a snapshot came from ------------------------------------------------------------
+@pytest.fixture
+def keys(tmp_path, monkeypatch):
+    path = tmp_path / "config" / "snapshot-keys"
+    monkeypatch.setenv("KVTIER_SNAPSHOT_KEYS", str(path))
+    return path
+
+
+@pytest.fixture
+def served(fingerprint, hbm, tmp_path, keys):
+    """A real admin server (Unix socket) over an engine holding one session."""
+    from kvtier.control.client import AdminClient
+    from kvtier.control.local import LocalAdmin
+
+    engine = make_engine(fingerprint, hbm, tmp_path / "served", dram_blocks=16)
+    tokens = tokens_of(1, 4)
+    keys_ = chain_block_hashes(tokens, BT)
+    ns = namespace_of(fingerprint.digest)
+    engine.manager.record_session("agent", ns, keys_, len(tokens), token_ids=tokens)
+    engine.store("agent", ns, keys_, [0, 1, 2, 3], len(tokens))
+    admin = LocalAdmin(engine, tmp_path / "run" / "a.sock", snapshot_dir=tmp_path / "snaps").start()
+    admin.client = AdminClient(str(tmp_path / "run" / "a.sock"))
+    admin.keys = keys_
+    yield admin
+    admin.stop()
+    engine.close(write_back=False)
+
+
+def snapshot_through(served) -> str:
+    job = served.client.wait(served.client.post("/v1/sessions/agent/snapshot", {}))
+    assert job["state"] == "done", job
+    served.client.wait(served.client.post("/v1/sessions/agent/evict", {"to": "drop"}))
+    return job["path"]
+
+
+def restore_through(served, path, **extra) -> dict:
+    return served.client.wait(served.client.post("/v1/restore", {"path": path, **extra}))
+
+
+def test_the_server_signs_its_snapshots_and_restores_them(served, keys):
+    from kvtier.snapshot import open_snapshot
+    from kvtier.trust import load_keys
+
+    path = snapshot_through(served)
+    assert keys.exists() and (keys.stat().st_mode & 0o777) == 0o600  # made on first use, private
+    assert open_snapshot(path, trusted_keys=load_keys()).signed is True
+    assert open_snapshot(path, trusted_keys=[b"k" * 32]).signed is False
+    assert restore_through(served, path)["state"] == "done"
+    assert served.engine.load(namespace_of(served.engine.fingerprint.digest), served.keys, [20, 21, 22, 23]) == 4
+
+
+def test_a_tampered_or_foreign_snapshot_needs_the_operators_word(served, keys, tmp_path):
+    from kvtier.errors import KvtierError
+
+    path = snapshot_through(served)
+    before = usage(served.engine)
+    rewrite_header(Path(path), lambda d: d.__setitem__("created", 1.0))  # checksums redone
+    with pytest.raises(KvtierError) as err:
+        restore_through(served, path)
+    assert "not signed by a key this server trusts" in err.value.message and "--trust-unsigned" in err.value.hint
+    assert usage(served.engine) == before
+    # the operator vouches for it: its keys are still recomputed, and it restores
+    assert restore_through(served, path, trust_unsigned=True)["state"] == "done"
+
+
+def test_another_boxs_snapshot_restores_once_its_key_is_trusted(served, keys, fingerprint, hbm, tmp_path,
+                                                               monkeypatch):
+    from kvtier.errors import KvtierError
+
+    other = tmp_path / "other-box-keys"
+    monkeypatch.setenv("KVTIER_SNAPSHOT_KEYS", str(other))  # the other box signs with its own key
+    path = snapshot_through(served)
+    monkeypatch.setenv("KVTIER_SNAPSHOT_KEYS", str(keys))
+    keys.parent.mkdir(parents=True, exist_ok=True)
+    keys.write_text("# this box\n" + "ab" * 32 + "\n")
+    keys.chmod(0o600)
+    with pytest.raises(KvtierError, match="not signed by a key"):
+        restore_through(served, path)
+    keys.write_text(keys.read_text() + other.read_text())  # the operator copies the other box's key in
+    assert restore_through(served, path)["state"] == "done"
+    keys.chmod(0o644)
+    with pytest.raises(KvtierError, match="can be read by other users"):
+        restore_through(served, path)

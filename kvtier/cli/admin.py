@@ -244,6 +244,9 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
                 tier: str = typer.Option("dram", "--tier", help="dram or nvme."),
                 cache_salt: Optional[str] = typer.Option(
                     None, "--cache-salt", help="The tenant's cache salt, when its requests carry one."),
+                trust_unsigned: bool = typer.Option(
+                    False, "--trust-unsigned", help="Restore a file not signed by a key the server trusts "
+                                                    "(its keys are still recomputed from its tokens)."),
                 wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
                 json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
                 socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
@@ -261,6 +264,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         body = {"path": str(path.resolve()), "tier": tier}
         if cache_salt:
             body["cache_salt"] = cache_salt
+        if trust_unsigned:
+            body["trust_unsigned"] = True
         job = client.post("/v1/restore", body)
         _finish(client, job, wait, json_out, f"restore {path.name}")
 

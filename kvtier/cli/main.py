@@ -409,10 +409,11 @@ def snapshot_inspect(
 ) -> None:
     """Show a snapshot's header: model, session, tokens, blocks, codec (reads no payload)."""
     from kvtier.snapshot import open_snapshot
+    from kvtier.trust import keys_file, load_keys
 
-    info = open_snapshot(file)
+    info = open_snapshot(file, trusted_keys=load_keys())
     if json_out:
-        emit_json(info.to_dict())
+        emit_json({**info.to_dict(), "signed_by_trusted_key": info.signed})
         return
     fp = info.fingerprint
     print_table(str(file), ["field", "value"], [
@@ -425,6 +426,8 @@ def snapshot_inspect(
         ("blocks", len(info.blocks)),
         ("payload", human_bytes(info.payload_bytes)),
         ("codec", info.codec),
+        ("signature", "by a key this box trusts" if info.signed else
+         f"none this box trusts (keys: {keys_file()}); restore needs --trust-unsigned"),
     ])
 
 

@@ -194,9 +194,21 @@ def _restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
         raise ApiError(400, "cache_salt must be a non-empty string", hint="the salt the tenant's requests carry")
+    trust_unsigned = body.get("trust_unsigned", False)
+    if not isinstance(trust_unsigned, bool):
+        raise ApiError(400, "trust_unsigned must be true or false")
     path = resolve_snapshot_path(ops, body["path"], "restore")
-    # validates the whole header (SnapshotError -> 400 with a hint), no longer than a session here can need
-    info = open_snapshot(path, ops.manager.max_snapshot_header())
+    from kvtier.trust import keys_file, load_keys
+
+    # validates the whole header (SnapshotError -> 400 with a hint), no longer than a session here can
+    # need, and its signature: only snapshots signed by a trusted key restore unless the operator says so
+    info = open_snapshot(path, ops.manager.max_snapshot_header(), trusted_keys=load_keys())
+    if not info.signed and not trust_unsigned:
+        with ops.lock:
+            ops.manager.counters["restores_refused_unsigned"] += 1
+        raise ApiError(400, f"snapshot {path} is not signed by a key this server trusts",
+                       hint=f"snapshots of other boxes: add their key to {keys_file()}; or, if you trust this "
+                            "file, restore it with --trust-unsigned")
     with ops.lock:
         ops._check_free(info.session_id)
         # keys recomputed from the file's token ids, the namespace this engine's own: nothing the
@@ -265,7 +277,7 @@ OPENAPI = {
                                                          ("session",))},
         "/v1/restore": {"post": _op("Restore a snapshot file (keys recomputed from its token ids)",
                                     {"path": {"type": "string"}, "tier": _TIER_ENUM,
-                                     "cache_salt": {"type": "string"}})},
+                                     "cache_salt": {"type": "string"}, "trust_unsigned": {"type": "boolean"}})},
         "/v1/flush": {"post": _op("Copy DRAM-only blocks (all, or one session's) to NVMe now",
                                   {"session": {"type": "string"}})},
         "/v1/costmodel": {"get": _op("Measured link rates, the fitted prefill model, break-even lengths")},

@@ -321,7 +321,7 @@ _ROUTES: list[tuple[str, re.Pattern, str]] = [
         ("POST", "/v1/flush", "flush"),
     ]
 ]
-_BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"path"}, "restore": {"path", "tier", "cache_salt"}, "flush": {"session"}}
+_BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"path"}, "restore": {"path", "tier", "cache_salt", "trust_unsigned"}, "flush": {"session"}}
 
 
 _REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
