@@ -90,9 +90,11 @@ class TierEngine:
 
     # ---- the data path ------------------------------------------------------------------------
     def store(self, session_id: str, namespace: bytes, keys: Sequence[bytes], device_blocks: Sequence[int],
-              num_tokens: int = 0) -> int:
-        """Store the session's blocks not yet held; returns how many were stored."""
-        self.manager.record_session(session_id, namespace, keys, num_tokens)
+              num_tokens: int = 0, token_ids: Sequence[int] | None = None) -> int:
+        """Store the session's blocks not yet held; returns how many were stored. ``token_ids`` (as
+        vLLM's scheduler half records them) let a snapshot of the session be restored: a restore
+        recomputes every key from them."""
+        self.manager.record_session(session_id, namespace, keys, num_tokens, token_ids=token_ids)
         stored = 0
         while True:
             job = self.manager.prepare_store(session_id, namespace, keys, device_blocks)

@@ -94,7 +94,7 @@ def check_layout(layout: str, dtype_name: str, device, tmp: Path) -> dict:
     src, dst = list(range(n)), list(range(2 * n, 3 * n))
     want = _blocks(engine.mover.adapter, layers, src)
     out: dict[str, Any] = {"pinned_arena": engine.arena.pinned}
-    out["stored"] = engine.store("s", ns, keys, src, num_tokens=n * 16) == n
+    out["stored"] = engine.store("s", ns, keys, src, num_tokens=n * 16, token_ids=list(range(n * 16))) == n
     _sync(device)
     slots = [int(engine.manager.index.col["dram_slot"][r]) for r in engine.manager.lookup(ns, keys)]
     in_dram = torch.stack([engine.arena.slot(s, geometry.block_bytes) for s in slots])

@@ -161,7 +161,8 @@ def test_bench_faults_cli_without_vllm_prints_the_keys(tmp_path, monkeypatch):
 
     from kvtier.cli.main import app
 
-    small = {"run_crash_trials": 2, "run_corruption_trials": 8, "run_pressure": 20, "run_hostile": 10}
+    small = {"run_crash_trials": 2, "run_corruption_trials": 8, "run_pressure": 20, "run_hostile": 10,
+             "run_poisoning": 8}
     for name, n in small.items():
         real = getattr(faults, name)
         monkeypatch.setattr(faults, name, lambda *a, _real=real, _n=n, **k: _real(_n, progress=lambda _m: None))
@@ -171,6 +172,22 @@ def test_bench_faults_cli_without_vllm_prints_the_keys(tmp_path, monkeypatch):
     assert set(doc) == set(faults.FAULT_KEYS)
     assert doc["corrupt_loads"] == 0 and doc["failed_requests_under_load"] is None
 
+
+
+def test_forged_snapshots_are_refused_poison_nothing_and_leak_nothing(tmp_path):
+    """Every kind of forgery the format allows (payloads, keys, token ids, namespace, fingerprint,
+    hash scheme, session id, a harmless-looking tamper), each with valid checksums, restored through
+    a real admin server: none accepted, the victim's prefix never loads other KV, 300 refused
+    restores take no slot, row, NVMe byte or session."""
+    from kvtier.bench.faults import POISON_KINDS, run_poisoning
+
+    out = run_poisoning(5 * len(POISON_KINDS), 300, directory=tmp_path, progress=lambda _m: None)
+    assert out["poisoning_attempts"] == 40
+    assert (out["accepted_forged"], out["poisoned_loads"], out["slot_leaks"]) == (0, 0, 0), out
+    assert out["_usage_before_after"][0] == out["_usage_before_after"][1]
+    # vouched for by the operator, a forged payload under the victim's own tokens is the one thing
+    # recomputed keys cannot catch: the bench says so rather than hiding it
+    assert "key" not in out["_accepted_with_trust_unsigned"] and "namespace" not in out["_accepted_with_trust_unsigned"]
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ import os
 import random
 import shutil
 import signal
+import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ __all__ = ["reference_block", "run_crash_trials", "run_corruption_trials", "run_
 
 FAULT_KEYS = ("crash_trials", "corrupt_loads", "corruption_trials", "corruption_detected_ratio",
               "failed_requests_under_load", "outputs_mismatched", "dram_budget_exceeded", "hostile_inputs",
-              "hostile_crashes")
+              "hostile_crashes", "poisoning_attempts", "poisoned_loads", "accepted_forged", "slot_leaks")
 
 SHAPE = (2, 2, 32, 16)  # layers, KV heads, head dim, block tokens: 8 KiB blocks in bf16
 HBM_BLOCKS = 48
@@ -197,7 +198,8 @@ def _crash_child(root: str, seed: int, fd: int) -> None:
                 tokens = _tokens(seed * 1000 + step, rng.randint(2, 12))
             keys = chain_block_hashes(tokens, SHAPE[3])[: HBM_BLOCKS]
             world.put(keys, range(len(keys)))
-            engine.store(sid, world.ns, keys, list(range(len(keys))), num_tokens=len(keys) * SHAPE[3])
+            engine.store(sid, world.ns, keys, list(range(len(keys))), num_tokens=len(keys) * SHAPE[3],
+                         token_ids=tokens[: len(keys) * SHAPE[3]])
             sessions[sid] = tokens[: len(keys) * SHAPE[3]]
         elif op == "maintain":
             engine.maintain(force=True)
@@ -535,9 +537,11 @@ def run_corruption_trials(trials: int = 1000, seed: int = 0, directory: Path | N
         world = World(pristine)
         sessions = []
         for s in range(6):  # six sessions of 4-7 blocks, all on NVMe, each also a snapshot
-            keys = chain_block_hashes(_tokens(900 + s, 4 + s % 4), SHAPE[3])
+            tokens = _tokens(900 + s, 4 + s % 4)
+            keys = chain_block_hashes(tokens, SHAPE[3])
             world.put(keys, range(len(keys)))
-            world.engine.store(f"p{s}", world.ns, keys, list(range(len(keys))), num_tokens=len(keys) * SHAPE[3])
+            world.engine.store(f"p{s}", world.ns, keys, list(range(len(keys))), num_tokens=len(keys) * SHAPE[3],
+                               token_ids=tokens)
             world.engine.evict(f"p{s}", Tier.NVME)
             world.engine.snapshot(f"p{s}", world.snapshots / f"p{s}.kvsnap")
             sessions.append(keys)
@@ -648,7 +652,7 @@ def run_pressure(sessions: int = 1000, dram_blocks: int = 64, seed: int = 0, dir
             tokens = _tokens(i, rng.randint(2, 12))
             keys = chain_block_hashes(tokens, SHAPE[3])
             world.put(keys, range(len(keys)))
-            engine.store(sid, world.ns, keys, list(range(len(keys))), num_tokens=len(tokens))
+            engine.store(sid, world.ns, keys, list(range(len(keys))), num_tokens=len(tokens), token_ids=tokens)
             history[sid] = tokens
             peak_slots = max(peak_slots, slots.used_slots)
             out["dram_budget_exceeded"] += slots.used_slots * slots.slot_bytes > budget
@@ -809,6 +813,153 @@ def run_hostile(examples: int = 600, directory: Path | None = None, progress: Ca
     return out
 
 
+# ---- snapshot poisoning (issue 19) ---------------------------------------------------------------------
+_PRE = struct.Struct("<8sHHQQQQ")
+
+
+def _forge(data: bytes, rng, kind: str, other_payload: bytes, other_keys: list[bytes]) -> bytes:
+    """A forged copy of the genuine snapshot ``data``: header fields or payloads changed the way the
+    format allows, every checksum recomputed (only the signature cannot be, without the key)."""
+    import xxhash
+
+    from kvtier.index import chain_block_hashes, namespace_of
+    from kvtier.snapshot import PREAMBLE_BYTES
+
+    magic, version, flags, header_len, _sum, payload_offset, file_len = _PRE.unpack_from(data)
+    doc = json.loads(data[PREAMBLE_BYTES:PREAMBLE_BYTES + header_len])
+    body = bytearray(data[payload_offset:file_len])
+    blocks, bt = doc["blocks"], SHAPE[3]
+    j = rng.randrange(len(blocks))
+    if kind == "payload":  # the victim's tokens and keys, someone else's KV
+        start = blocks[j]["offset"] - payload_offset
+        body[start:start + blocks[j]["nbytes"]] = other_payload[:blocks[j]["nbytes"]]
+        blocks[j]["xxh3"] = xxhash.xxh3_64_intdigest(bytes(body[start:start + blocks[j]["nbytes"]]))
+    elif kind == "key":
+        blocks[j]["key"] = (other_keys[j] if rng.random() < 0.5 else rng.randbytes(32)).hex()
+    elif kind == "token_ids":
+        tokens = doc["token_ids"]
+        tokens[rng.randrange(len(tokens))] = rng.randrange(50_000)
+        if rng.random() < 0.5:  # consistent: the keys recomputed for the forged tokens (the hash is public)
+            for block, key in zip(blocks, chain_block_hashes(tokens, bt)):
+                block["key"] = key.hex()
+    elif kind == "namespace":
+        doc["namespace"] = (rng.randbytes(16) if rng.random() < 0.5 else
+                            namespace_of(bytes.fromhex(doc["fingerprint"]["digest"]), "another-tenant")).hex()
+    elif kind == "fingerprint":
+        field = rng.choice(["model_id", "weights", "num_layers", "block_tokens", "dtype"])
+        if field in ("model_id", "weights"):
+            doc["fingerprint"][field] = f"forged-{rng.randrange(1000)}"
+        else:
+            geometry = doc["fingerprint"]["geometry"]
+            geometry[field] = "float32" if field == "dtype" else geometry[field] + 1
+    elif kind == "scheme":  # claims another hash so its keys are not compared, and moves them
+        doc.setdefault("meta", {})["key_scheme"] = "vllm:xxhash:forged"
+        blocks[j]["key"] = other_keys[j].hex()
+    elif kind == "session":
+        doc["session_id"] = rng.choice(["../../etc/passwd", "a/b", "", "x" * 300, "agent\n"])
+    else:  # "tamper": nothing that matters changed, but the signed bytes did
+        doc["created"] = rng.random() * 1e9
+    text = json.dumps(doc).encode()
+    if len(text) > header_len:
+        text = json.dumps(doc, separators=(",", ":")).encode()
+    header = text.ljust(header_len, b" ")[:header_len]
+    pre = _PRE.pack(magic, version, flags, header_len, xxhash.xxh3_64_intdigest(header), payload_offset,
+                    file_len).ljust(PREAMBLE_BYTES, b"\0")  # and no signature: the forger has no key
+    return pre + header + data[PREAMBLE_BYTES + header_len:payload_offset] + bytes(body)
+
+
+POISON_KINDS = ("payload", "key", "token_ids", "namespace", "fingerprint", "scheme", "session", "tamper")
+
+
+def run_poisoning(attempts: int = 240, refused_restores: int = 1000, seed: int = 0, directory: Path | None = None,
+                  progress: Callable[[str], None] = print) -> dict:
+    """Forged snapshots (valid checksums) restored through a real admin server: none may be accepted,
+    none may make a later load of the victim's prefix return other KV, and refusing them 1,000 times
+    must leak no DRAM slot, index row, NVMe byte or session."""
+    import torch
+
+    from kvtier.control.client import AdminClient
+    from kvtier.control.local import LocalAdmin
+    from kvtier.errors import KvtierError
+    from kvtier.index import chain_block_hashes
+
+    rng = random.Random(seed)
+    out = {"poisoning_attempts": 0, "accepted_forged": 0, "poisoned_loads": 0, "slot_leaks": 0,
+           "_accepted_with_trust_unsigned": {}, "_poisoned_with_trust_unsigned": {}, "_refusals": {}}
+    with tempfile.TemporaryDirectory(prefix="kvtier-faults-poison-", dir=directory) as tmp:
+        root = Path(tmp)
+        world = World(root)
+        admin = LocalAdmin(world.engine, root / "run" / "admin.sock", snapshot_dir=world.snapshots).start()
+        client = AdminClient(str(root / "run" / "admin.sock"), timeout=60)
+        try:
+            tokens = _tokens(1, 4)
+            keys = chain_block_hashes(tokens, SHAPE[3])
+            world.put(keys, range(4))
+            world.engine.manager.record_session("victim", world.ns, keys, len(tokens), token_ids=tokens)
+            world.engine.store("victim", world.ns, keys, [0, 1, 2, 3], len(tokens))
+            genuine = Path(client.wait(client.post("/v1/sessions/victim/snapshot", {}))["path"])
+            data = genuine.read_bytes()
+            other_keys = chain_block_hashes(_tokens(2, 4), SHAPE[3])
+            other_payload = bytes(reference_block(other_keys[0], world.geometry).reshape(-1).view(torch.uint8)
+                                  .numpy()) * 2
+            forged_dir = root / "forged"
+            forged_dir.mkdir()
+
+            def victim_clean() -> None:
+                client.wait(client.post("/v1/sessions/victim/evict", {"to": "drop"}))
+
+            def victim_poisoned() -> bool:
+                loaded = world.engine.load(world.ns, keys, [40, 41, 42, 43])
+                return bool(loaded and world.wrong(keys[:loaded], range(40, 40 + loaded)))
+
+            victim_clean()
+            paths = []
+            for attempt in range(attempts):
+                kind = POISON_KINDS[attempt % len(POISON_KINDS)]
+                path = forged_dir / f"{attempt:04d}-{kind}.kvsnap"
+                path.write_bytes(_forge(data, rng, kind, other_payload, other_keys))
+                paths.append(path)
+                out["poisoning_attempts"] += 1
+                try:
+                    client.wait(client.post("/v1/restore", {"path": str(path)}))
+                    out["accepted_forged"] += 1
+                except KvtierError as exc:
+                    reason = exc.message.split(".kvsnap", 1)[-1].lstrip(" :")[:60]
+                    out["_refusals"][reason] = out["_refusals"].get(reason, 0) + 1
+                if victim_poisoned():
+                    out["poisoned_loads"] += 1
+                with contextlib.suppress(KvtierError):
+                    victim_clean()
+                # the operator vouching for the file (--trust-unsigned): recomputed keys still decide
+                try:
+                    client.wait(client.post("/v1/restore", {"path": str(path), "trust_unsigned": True}))
+                    out["_accepted_with_trust_unsigned"][kind] = out["_accepted_with_trust_unsigned"].get(kind, 0) + 1
+                except KvtierError:
+                    pass
+                if victim_poisoned():  # what vouching for a forged file costs: only its own tokens' KV
+                    out["_poisoned_with_trust_unsigned"][kind] = out["_poisoned_with_trust_unsigned"].get(kind, 0) + 1
+                with contextlib.suppress(KvtierError):
+                    victim_clean()
+            progress(f"poisoning: {out['poisoning_attempts']} forged snapshots, {out['accepted_forged']} accepted")
+            manager = world.engine.manager
+
+            def usage() -> tuple:
+                return manager.slots.free_slots, len(manager.index), manager._nvme_used, len(manager.sessions)
+
+            before = usage()
+            for i in range(refused_restores):
+                with contextlib.suppress(KvtierError):
+                    client.post("/v1/restore", {"path": str(paths[i % len(paths)])})
+            after = usage()
+            out["slot_leaks"] = max(0, before[0] - after[0]) + max(0, after[1] - before[1])
+            out["_usage_before_after"] = [before, after]
+        finally:
+            client.close()
+            admin.stop()
+            world.close()
+    return out
+
+
 def run_faults_bench(quick: bool = False, progress: Callable[[str], None] = print, vllm: bool = True) -> dict:
     results: dict = {}
     progress("crash consistency: SIGKILL during stores, demotions, snapshots and restores")
@@ -819,6 +970,8 @@ def run_faults_bench(quick: bool = False, progress: Callable[[str], None] = prin
     pressure = run_pressure(200 if quick else 1000, progress=progress)
     progress("hostile input")
     hostile = run_hostile(150 if quick else 600, progress=progress)
+    progress("snapshot poisoning: forged snapshots through the admin API")
+    poison = run_poisoning(80 if quick else 240, 300 if quick else 1000, progress=progress)
     results.update(
         crash_trials=crash["crash_trials"],
         corrupt_loads=crash["corrupt_loads"] + corruption["corrupt_loads"] + pressure["wrong_loads"],
@@ -827,7 +980,12 @@ def run_faults_bench(quick: bool = False, progress: Callable[[str], None] = prin
         dram_budget_exceeded=pressure["dram_budget_exceeded"],
         hostile_inputs=hostile["hostile_inputs"],
         hostile_crashes=hostile["hostile_crashes"],
+        poisoning_attempts=poison["poisoning_attempts"],
+        poisoned_loads=poison["poisoned_loads"],
+        accepted_forged=poison["accepted_forged"],
+        slot_leaks=poison["slot_leaks"],
     )
+    results["_poisoning"] = poison
     results["_crash"] = crash
     results["_corruption"] = corruption
     results["_pressure"] = pressure
