@@ -295,6 +295,7 @@ def test_snapshot_with_mixed_codecs_restores_bit_identical(fingerprint, hbm, tmp
     engine = make_engine(fingerprint, hbm, tmp_path / "one", dram_blocks=8, warm_codec="fp8", cold_codec="int8")
     ns = namespace_of(fingerprint.digest)
     keys = keys_of(3, 4)
+    engine.manager.record_session("s", ns, keys, 64, token_ids=list(range(30_000, 30_064)))  # keys_of(3, 4)'s
     engine.store("s", ns, keys[:2], [0, 1])
     engine.evict("s", Tier.NVME)  # blocks 0-1 now int8 on NVMe only
     engine.store("s", ns, keys, [0, 1, 2, 3])  # blocks 2-3 fp8 in DRAM

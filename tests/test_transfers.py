@@ -15,12 +15,13 @@ import torch
 
 from kvtier.engine import TierEngine
 from kvtier.errors import ConfigError, FingerprintMismatchError
-from kvtier.index import namespace_of
+from kvtier.index import chain_block_hashes, namespace_of
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult, RankMerger
 from kvtier.layout import KVGeometry, ModelFingerprint
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=8, block_tokens=16, dtype="bfloat16")
-KEYS = [bytes([i]) * 32 for i in range(4)]
+TOKENS = list(range(1000, 1064))  # four 16-token blocks
+KEYS = chain_block_hashes(TOKENS, 16)  # as vLLM hashes them: a restore recomputes these from TOKENS
 
 
 def kv_layers(seed: int, blocks: int = 8) -> list[torch.Tensor]:
@@ -146,7 +147,7 @@ def test_each_rank_snapshots_its_own_shard_and_restores_only_at_its_tp_size(tmp_
     ns = namespace_of(ranks[0].fingerprint.digest)
     path = tmp_path / "s.kvsnap"
     for eng in ranks:
-        eng.store("s", ns, KEYS, [0, 1, 2, 3], num_tokens=64)
+        eng.store("s", ns, KEYS, [0, 1, 2, 3], num_tokens=64, token_ids=TOKENS)
         result = eng.snapshot("s", path)
         assert result.ok, result.error
     assert shard_path(path, 1, 2) == f"{path}.rank1"
@@ -175,7 +176,7 @@ def test_a_sharded_snapshot_missing_a_rank_file_is_refused(tmp_path):
 
     eng = engine(tmp_path, "r0", kv_layers(40), shards=2, rank=0)
     ns = namespace_of(eng.fingerprint.digest)
-    eng.store("s", ns, KEYS, [0, 1, 2, 3], num_tokens=64)
+    eng.store("s", ns, KEYS, [0, 1, 2, 3], num_tokens=64, token_ids=TOKENS)
     assert eng.snapshot("s", tmp_path / "s.kvsnap").ok
     assert not os.path.exists(f"{tmp_path / 's.kvsnap'}.rank1")
     fresh = engine(tmp_path, "f", kv_layers(41), shards=2, rank=0)

@@ -34,8 +34,8 @@ def demo_admin(directory: Path, sessions: int, churn: bool = True):
     engine, fingerprint = _local_engine("bench-top", (2, 2, 32, 16), 64, max(64, 2 * sessions), directory)
     ns = namespace_of(fingerprint.digest)
     for n in range(sessions):
-        keys = chain_block_hashes(list(range(n * 64, n * 64 + 32)), 16)
-        engine.store(f"session-{n:04d}", ns, keys, [0, 1], num_tokens=32)
+        tokens = list(range(n * 64, n * 64 + 32))
+        engine.store(f"session-{n:04d}", ns, chain_block_hashes(tokens, 16), [0, 1], num_tokens=32, token_ids=tokens)
     admin = LocalAdmin(engine, directory / "admin.sock", snapshot_dir=directory / "snapshots").start()
     admin.stop_churn = threading.Event()
 
@@ -43,9 +43,10 @@ def demo_admin(directory: Path, sessions: int, churn: bool = True):
         i = 0
         while not admin.stop_churn.wait(0.2):
             n = i % sessions
-            keys = chain_block_hashes(list(range(n * 64, n * 64 + 32 + 16 * (i % 3))), 16)
+            tokens = list(range(n * 64, n * 64 + 32 + 16 * (i % 3)))
             with admin.lock:
-                engine.manager.record_session(f"session-{n:04d}", ns, keys, len(keys) * 16)
+                engine.manager.record_session(f"session-{n:04d}", ns, chain_block_hashes(tokens, 16), len(tokens),
+                                              token_ids=tokens)
             i += 7
 
     if churn:
