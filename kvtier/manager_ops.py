@@ -138,8 +138,9 @@ class SessionOps:
                 and self.index.key_of(r)[1] not in shared]
 
     # ---- snapshot / restore -------------------------------------------------------------------
-    def prepare_snapshot(self: "TierManager", session_id: str, path: str) -> Job:
-        """A SNAPSHOT job writing the session's stored prefix to ``path``."""
+    def prepare_snapshot(self: "TierManager", session_id: str, path: str, in_place: bool = False) -> Job:
+        """A SNAPSHOT job writing the session's stored prefix to ``path`` (``in_place``: a file a client
+        handed over, written as it is -- see ``snapshot.SnapshotWriter``)."""
         session = self.session(session_id)
         rows = self.index.lookup(session.namespace, session.keys).tolist()
         if not rows:
@@ -168,7 +169,7 @@ class SessionOps:
         token_ids = self.session_tokens(session)
         covered = len(rows) * self.geometry.block_tokens
         header = {"session_id": session_id, "namespace": session.namespace, "num_tokens": tokens,
-                  "codec": target, "sizes": sizes, "key_scheme": self.key_scheme,
+                  "codec": target, "sizes": sizes, "key_scheme": self.key_scheme, "in_place": in_place,
                   "token_ids": token_ids[:covered].tolist() if token_ids is not None and len(token_ids) >= covered
                   else []}
         return self._new_job(JobKind.SNAPSHOT, moves=moves, session_id=session_id, path=str(path), header=header)

@@ -627,7 +627,7 @@ class Mover:
             num_tokens=header["num_tokens"], keys=[m.key for m in job.moves], payloads=blocks,
             block_nbytes=sizes, token_ids=header.get("token_ids") or (),
             meta={"key_scheme": header["key_scheme"]} if header.get("key_scheme") else None,
-            sign_key=self._signing_key(),
+            sign_key=self._signing_key(), in_place=bool(header.get("in_place")),
         )
         result.path = str(info.path)
 

@@ -188,9 +188,12 @@ class SnapshotWriter:
     def __init__(self, path: str | os.PathLike[str], fingerprint: ModelFingerprint, session_id: str,
                  namespace: bytes, codec: str, num_tokens: int, token_ids: Sequence[int] = (), *,
                  block_nbytes: Sequence[int], keys: Sequence[bytes], meta: dict | None = None,
-                 sign_key: bytes | None = None) -> None:
+                 sign_key: bytes | None = None, in_place: bool = False) -> None:
         self.path = Path(path)
         self._sign_key = sign_key
+        # in_place: ``path`` is a file the caller made and handed over (``/proc/<pid>/fd/<n>``): written
+        # as it is, no temp file and no rename (the caller renames it into place when the job is done)
+        self._in_place = in_place
         self._nbytes, self._keys = [int(n) for n in block_nbytes], [bytes(k) for k in keys]
         if len(self._nbytes) != len(self._keys) or len(self._keys) > MAX_BLOCKS:
             raise _fail(path, f"{len(self._keys)} keys, {len(self._nbytes)} block sizes (max {MAX_BLOCKS})")
@@ -229,15 +232,31 @@ class SnapshotWriter:
 
     def _open(self) -> None:
         directory = self.path.parent
+        if self._in_place:
+            self._tmp = self.path
+            try:
+                self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+                if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+                    os.close(self._fd)
+                    raise _fail(self.path, "the file handed over is not a regular file")
+                os.set_blocking(self._fd, True)
+                os.ftruncate(self._fd, 0)
+            except OSError as exc:
+                raise _fail(self.path, f"cannot write the file handed over: {exc.strerror}") from None
+            self._start_buffers()
+            return
         if self.path.is_dir():
             raise _fail(self.path, "is a directory", "give a file name for the snapshot")
         self._tmp = directory / f".{self.path.name}.tmp-{secrets.token_hex(4)}"
         try:
             direct = os.O_DIRECT if _direct_ok(directory) else 0
-            self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | direct, 0o600)
+            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | direct, 0o600)
         except OSError as exc:
             raise _fail(self.path, f"cannot create a file in {directory}: {exc.strerror}",
                         "check that the directory exists and is writable") from None
+        self._start_buffers()
+
+    def _start_buffers(self) -> None:
         self._bufs = [_take_buffer(IO_CHUNK) for _ in range(IO_DEPTH + 1)]
         self._views = [memoryview(buf)[:IO_CHUNK] for buf in self._bufs]
         self._cur, self._fill, self._stage_start = 0, 0, 0
@@ -333,9 +352,10 @@ class SnapshotWriter:
         os.fdatasync(self._fd)
         os.close(self._fd)
         self._fd = None
-        os.replace(self._tmp, self.path)
         self._release()
-        fsync_dir(self.path.parent)
+        if not self._in_place:
+            os.replace(self._tmp, self.path)
+            fsync_dir(self.path.parent)
         return _info_from(os.fspath(self.path), json.loads(header), self._header_len, self._payload_offset,
                           self._file_len)
 
@@ -348,7 +368,8 @@ class SnapshotWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._tmp.unlink(missing_ok=True)
+        if not self._in_place:  # a handed-over file is its owner's to remove
+            self._tmp.unlink(missing_ok=True)
         self._release()
 
     def _release(self) -> None:
@@ -369,7 +390,8 @@ def write_snapshot(path: str | os.PathLike[str], fingerprint: ModelFingerprint, 
                    namespace: bytes, codec: str, num_tokens: int, keys: Sequence[bytes],
                    payloads: Iterable[Any], token_ids: Sequence[int] = (), meta: dict | None = None,
                    progress: Callable[[int, int], None] | None = None,
-                   block_nbytes: Sequence[int] | None = None, sign_key: bytes | None = None) -> SnapshotInfo:
+                   block_nbytes: Sequence[int] | None = None, sign_key: bytes | None = None,
+                   in_place: bool = False) -> SnapshotInfo:
     """Write a snapshot of ``payloads`` (in key order); calls ``progress(done_bytes, total_bytes)``.
 
     Without ``block_nbytes`` the payloads are listed first to learn their sizes; pass it to stream.
@@ -379,7 +401,8 @@ def write_snapshot(path: str | os.PathLike[str], fingerprint: ModelFingerprint, 
         block_nbytes = [len(_bytes_view(p)) for p in payloads]
     total, done, end = sum(block_nbytes), 0, object()
     with SnapshotWriter(path, fingerprint, session_id, namespace, codec, num_tokens, token_ids,
-                        block_nbytes=block_nbytes, keys=keys, meta=meta, sign_key=sign_key) as writer:
+                        block_nbytes=block_nbytes, keys=keys, meta=meta, sign_key=sign_key,
+                        in_place=in_place) as writer:
         source = iter(payloads)
         for index in range(len(keys)):
             payload = next(source, end)
@@ -397,7 +420,8 @@ def write_snapshot(path: str | os.PathLike[str], fingerprint: ModelFingerprint, 
 # ---- reading ------------------------------------------------------------------------------------
 def _open_file(path: str, direct: bool = False) -> tuple[int, int]:
     try:
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        # O_NONBLOCK: a FIFO or device named *.kvsnap must not block the open (it is refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (os.O_DIRECT if direct else 0))
     except FileNotFoundError:
         raise _fail(path, "no such file", "check the path") from None
     except OSError as exc:
@@ -409,6 +433,7 @@ def _open_file(path: str, direct: bool = False) -> tuple[int, int]:
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
         raise _fail(path, f"is {kind}, not a snapshot file", "give the path of a snapshot file")
+    os.set_blocking(fd, True)
     return fd, st.st_size
 
 

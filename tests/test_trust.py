@@ -268,3 +268,66 @@ def test_another_boxs_snapshot_restores_once_its_key_is_trusted(served, keys, fi
     keys.chmod(0o644)
     with pytest.raises(KvtierError, match="can be read by other users"):
         restore_through(served, path)
+
+
+# ---- paths: the server touches only its snapshot directory, or a file the client hands over ---------------
+def test_no_path_a_client_names_escapes_the_snapshot_directory(tmp_path):
+    from kvtier.bench.faults import run_path_escapes
+
+    out = run_path_escapes(directory=tmp_path, progress=lambda _m: None)
+    assert out["path_escapes_tried"] >= 100
+    assert (out["path_escapes"], out["blocked_requests"]) == (0, 0), out["_escaped"]
+
+
+def test_snapshot_out_where_the_user_stands_and_restore_hand_the_file_over(served, tmp_path, monkeypatch):
+    """`kvtier snapshot S --out ./x.kvsnap` outside the server's snapshot directory: the CLI makes the
+    file and hands it over; `kvtier restore ./x.kvsnap` hands it over too. Nothing is left behind."""
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+    from kvtier.snapshot import open_snapshot
+    from kvtier.trust import load_keys
+
+    here = tmp_path / "work"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    runner = CliRunner()
+    sock = str(tmp_path / "run" / "a.sock")
+    taken = runner.invoke(app, ["snapshot", "agent", "--out", "./agent.kvsnap", "--json", "--socket", sock])
+    assert taken.exit_code == 0, taken.output
+    assert json.loads(taken.output)["path"] == str(here / "agent.kvsnap")
+    assert sorted(p.name for p in here.iterdir()) == ["agent.kvsnap"]  # no temp file left
+    assert open_snapshot(here / "agent.kvsnap", trusted_keys=load_keys()).signed
+    assert runner.invoke(app, ["evict", "agent", "--to", "drop", "--yes", "--socket", sock]).exit_code == 0
+    restored = runner.invoke(app, ["restore", "./agent.kvsnap", "--json", "--socket", sock])
+    assert restored.exit_code == 0, restored.output
+    assert json.loads(restored.output)["state"] == "done"
+    assert served.engine.load(namespace_of(served.engine.fingerprint.digest), served.keys, [20, 21, 22, 23]) == 4
+    # the same path named to the server (not handed over) is refused: it is outside its directory
+    from kvtier.errors import KvtierError
+
+    with pytest.raises(KvtierError, match="outside the server's snapshot directory"):
+        served.client.post("/v1/restore", {"path": str(here / "agent.kvsnap")})
+    # an existing file that is not a snapshot is never overwritten
+    (here / "notes.kvsnap").write_text("mine")
+    refused = runner.invoke(app, ["snapshot", "agent", "--out", "notes.kvsnap", "--socket", sock])
+    assert refused.exit_code == 2 and "not a kvtier snapshot" in refused.stderr
+    assert (here / "notes.kvsnap").read_text() == "mine"
+
+
+def test_special_files_are_refused_without_blocking(served, tmp_path, monkeypatch):
+    import os
+    import time
+
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo(tmp_path / "fifo.kvsnap")
+    sock = str(tmp_path / "run" / "a.sock")
+    for name in ("fifo.kvsnap", "/dev/null"):
+        started = time.monotonic()
+        result = CliRunner().invoke(app, ["restore", name, "--socket", sock])
+        assert time.monotonic() - started < 2
+        assert result.exit_code == 2 and "not a regular file" in result.stderr, result.output

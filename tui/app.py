@@ -609,13 +609,14 @@ class TopApp(App):
             return None
         return session
 
-    def _post(self, label: str, path: str, body: dict) -> None:
-        """Send a write in a thread; report the job, follow it in the jobs panel."""
+    def _post(self, label: str, path: str, body: dict, send=None) -> None:
+        """Send a write in a thread; report the job, follow it in the jobs panel. ``send(client)``
+        replaces the plain POST (a file handed over the socket)."""
         client = self._client_for()
 
         def run() -> None:
             try:
-                job = client.post(path, body)
+                job = send(client) if send is not None else client.post(path, body)
                 message, severity = f"{label}: job #{job['id']} {job['state']}", "information"
             except KvtierError as exc:
                 message = f"{label}: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else "")
@@ -674,8 +675,12 @@ class TopApp(App):
         def given(path: str | None) -> None:
             if path is None:
                 return
-            body = {"path": path.strip()} if path.strip() and path.strip() != default else {}
-            self._post(f"snapshot {session}", AdminClient.session_path(session, "snapshot"), body)
+            target = path.strip()
+            if not target or target == default:
+                self._post(f"snapshot {session}", AdminClient.session_path(session, "snapshot"), {})
+                return
+            # anywhere else: the file is made here and handed over (the server writes only that file)
+            self._post(f"snapshot {session}", "", {}, send=lambda client: client.snapshot_to_file(session, target))
 
         self.push_screen(Ask(f"snapshot {session} to:", default), given)
 
@@ -690,7 +695,8 @@ class TopApp(App):
 
         def given(path: str | None) -> None:
             if path and path.strip():
-                self._post(f"restore {path.strip()}", "/v1/restore", {"path": path.strip()})
+                source = path.strip()
+                self._post(f"restore {source}", "/v1/restore", {}, send=lambda client: client.restore_file(source))
 
         self.push_screen(Ask("restore the session in snapshot file:", default), given)
 

@@ -218,17 +218,20 @@ def fuzz(sock_path: str, examples: int, seed: int = 0, snapshot_dir: Path | None
                                             "extra": st.integers()}).map(lambda d: json.dumps(d).encode()),
     )
     methods = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "BREW"])
-    lies = st.sampled_from([None, None, None, 0, -1, 10**9, "abc"])
+    lies = st.sampled_from([None, None, None, 0, -1, 10**9, "abc", "\u00b2", "\u0662", "+2", "0x10"])
+    # header lines h11 refuses: obsolete line folding, names with spaces, control bytes, a second length
+    extras = st.sampled_from(["", "", "", "X-A: b\r\n folded: x\r\n", "X-A: b\r\n\tfolded\r\n",
+                              "Bad Name: x\r\n", "X-C: \x01\r\n", "Content-Length: 0\r\n"])
 
     @hypothesis_seed(seed)
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
-    @given(method=methods, path=paths, body=bodies, lie=lies)
-    def one(method, path, body, lie):
+    @given(method=methods, path=paths, body=bodies, lie=lies, extra=extras)
+    def one(method, path, body, lie, extra):
         payload = body or b""
         length = len(payload) if lie is None else lie
-        request = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode("utf-8",
-                                                                                                   "replace")
+        request = f"{method} {path} HTTP/1.1\r\nHost: x\r\n{extra}Content-Length: {length}\r\n\r\n".encode(
+            "utf-8", "replace")
         status = _send(sock_path, request + payload)
         counts["requests"] += 1
         if status is None or status >= 500:
@@ -236,14 +239,14 @@ def fuzz(sock_path: str, examples: int, seed: int = 0, snapshot_dir: Path | None
                 return  # a HEAD answer may have no body to read; not a crash
             counts["crashes"] += 1
             return
-        honest = lie is None
+        honest = lie is None and not extra
         exists = (lambda name: (snapshot_dir / name).is_file()) if snapshot_dir else (lambda name: False)
         valid = honest and is_valid_request(method, path.split("?")[0], body if method == "POST" else None,
                                             snapshot_exists=exists)
         counts["valid"] += valid
         if 200 <= status < 300 and not valid and method not in ("GET",):
             counts["accepted_invalid"] += 1
-        if 200 <= status < 300 and method == "GET" and not is_valid_request("GET", path.split("?")[0], None) \
+        if 200 <= status < 300 and method == "GET" and (extra or not is_valid_request("GET", path.split("?")[0], None)) \
                 and "?" not in path:
             counts["accepted_invalid"] += 1
 
@@ -324,6 +327,10 @@ def run_fuzz(examples: int, progress: Callable[[str], None]) -> dict:
         admin = LocalAdmin(engine, sock, snapshot_dir=Path(tmp) / "snapshots").start()
         progress(f"fuzzing the admin API with {examples} generated requests")
         counts = fuzz(sock, examples, snapshot_dir=Path(tmp) / "snapshots")
+        idle = idle_connections(sock, 10_000)
+        progress(f"{idle['opened']:,} idle connections: {idle['refused']:,} refused at once, server "
+                 f"{'answering' if idle['answering'] else 'DEAD'}")
+        counts["requests"] += idle["opened"]
         try:
             AdminClient(sock).get("/v1/status")
         except Exception:
@@ -331,7 +338,59 @@ def run_fuzz(examples: int, progress: Callable[[str], None]) -> dict:
         admin.stop()
         engine.close(write_back=False)
     return {"fuzz_requests": counts["requests"], "fuzz_crashes": counts["crashes"],
-            "fuzz_accepted_invalid": counts["accepted_invalid"], "_fuzz_valid_requests": counts["valid"]}
+            "fuzz_accepted_invalid": counts["accepted_invalid"], "_fuzz_valid_requests": counts["valid"],
+            "_idle_connections": idle}
+
+
+def idle_connections(sock_path: str, count: int) -> dict:
+    """Open ``count`` connections that send nothing (as many as the fd limit allows), then check the
+    server still answers once they are closed: the connection cap must keep it alive and cheap."""
+    import resource
+
+    from kvtier.control.client import AdminClient
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    count = min(count, max(0, soft - 256))
+    opened, refused, conns = 0, 0, []
+    try:
+        for _ in range(count):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(5)
+            connected = False
+            for _attempt in range(200):  # a full backlog (EAGAIN): wait for the server to accept
+                try:
+                    conn.connect(sock_path)
+                    connected = True
+                    break
+                except BlockingIOError:
+                    time.sleep(0.001)
+                except OSError:
+                    break
+            if not connected:
+                conn.close()
+                refused += 1
+                continue
+            conns.append(conn)
+            opened += 1
+        for conn in conns[-100:]:  # the latest ones: beyond the cap, each was answered 503 and closed
+            try:
+                if conn.recv(64).startswith(b"HTTP/1.1 503"):
+                    refused += 1
+            except OSError:
+                pass
+    finally:
+        for conn in conns:
+            conn.close()
+    answering = False
+    deadline = time.monotonic() + 40  # the capped slots come back as the server sees the closes
+    while time.monotonic() < deadline and not answering:
+        try:
+            AdminClient(sock_path, timeout=2).get("/v1/status")
+            answering = True
+        except Exception:  # noqa: BLE001 - busy (503) or reconnecting: retry
+            time.sleep(0.1)
+    return {"opened": opened, "refused": refused, "answering": answering}
+
 
 
 def run_admin_bench(quick: bool = False, progress: Callable[[str], None] = print, vllm: bool = True) -> dict:

@@ -48,7 +48,8 @@ __all__ = ["reference_block", "run_crash_trials", "run_corruption_trials", "run_
 
 FAULT_KEYS = ("crash_trials", "corrupt_loads", "corruption_trials", "corruption_detected_ratio",
               "failed_requests_under_load", "outputs_mismatched", "dram_budget_exceeded", "hostile_inputs",
-              "hostile_crashes", "poisoning_attempts", "poisoned_loads", "accepted_forged", "slot_leaks")
+              "hostile_crashes", "poisoning_attempts", "poisoned_loads", "accepted_forged", "slot_leaks",
+              "path_escapes_tried", "path_escapes", "blocked_requests")
 
 SHAPE = (2, 2, 32, 16)  # layers, KV heads, head dim, block tokens: 8 KiB blocks in bf16
 HBM_BLOCKS = 48
@@ -920,11 +921,11 @@ def run_poisoning(attempts: int = 240, refused_restores: int = 1000, seed: int =
                 path.write_bytes(_forge(data, rng, kind, other_payload, other_keys))
                 paths.append(path)
                 out["poisoning_attempts"] += 1
-                try:
-                    client.wait(client.post("/v1/restore", {"path": str(path)}))
+                try:  # handed over as `kvtier restore FILE` does
+                    client.wait(client.restore_file(path))
                     out["accepted_forged"] += 1
                 except KvtierError as exc:
-                    reason = exc.message.split(".kvsnap", 1)[-1].lstrip(" :")[:60]
+                    reason = exc.message.split(".kvsnap", 1)[-1].lstrip(" :")[:70]
                     out["_refusals"][reason] = out["_refusals"].get(reason, 0) + 1
                 if victim_poisoned():
                     out["poisoned_loads"] += 1
@@ -932,7 +933,7 @@ def run_poisoning(attempts: int = 240, refused_restores: int = 1000, seed: int =
                     victim_clean()
                 # the operator vouching for the file (--trust-unsigned): recomputed keys still decide
                 try:
-                    client.wait(client.post("/v1/restore", {"path": str(path), "trust_unsigned": True}))
+                    client.wait(client.restore_file(path, {"trust_unsigned": True}))
                     out["_accepted_with_trust_unsigned"][kind] = out["_accepted_with_trust_unsigned"].get(kind, 0) + 1
                 except KvtierError:
                     pass
@@ -949,10 +950,99 @@ def run_poisoning(attempts: int = 240, refused_restores: int = 1000, seed: int =
             before = usage()
             for i in range(refused_restores):
                 with contextlib.suppress(KvtierError):
-                    client.post("/v1/restore", {"path": str(paths[i % len(paths)])})
+                    client.restore_file(paths[i % len(paths)])
             after = usage()
             out["slot_leaks"] = max(0, before[0] - after[0]) + max(0, after[1] - before[1])
             out["_usage_before_after"] = [before, after]
+        finally:
+            client.close()
+            admin.stop()
+            world.close()
+    return out
+
+
+# ---- paths a client names (issue 19) -------------------------------------------------------------------
+def _escapes(snaps: Path, outside: Path) -> list[tuple[str, str, dict]]:
+    """(label, route, body) of requests naming paths the server must not touch: outside its snapshot
+    directory, through symlinks at every component, special files, over-long names."""
+    snaps.mkdir(parents=True, exist_ok=True)
+    outside.mkdir(parents=True, exist_ok=True)
+    (outside / "loot.kvsnap").write_bytes(b"not yours")
+    (snaps / "up").symlink_to(outside)  # a directory symlink leading out
+    (snaps / "link.kvsnap").symlink_to(outside / "loot.kvsnap")  # a final-component symlink
+    (snaps / "dangling.kvsnap").symlink_to(outside / "new.kvsnap")
+    (snaps / "sub").mkdir()
+    (snaps / "sub" / "deeper").symlink_to("/etc")
+    os.mkfifo(snaps / "fifo.kvsnap")
+    (snaps / "dir.kvsnap").mkdir()
+    names = [str(outside / "loot.kvsnap"), str(outside / "new.kvsnap"), "/etc/passwd.kvsnap", "/dev/null.kvsnap",
+             "../loot.kvsnap", "../../etc/x.kvsnap", "sub/../../loot.kvsnap", "up/loot.kvsnap", "up/new.kvsnap",
+             str(snaps / "up" / "loot.kvsnap"), "link.kvsnap", "dangling.kvsnap", "sub/deeper/x.kvsnap",
+             str(snaps / "sub" / "deeper" / "shadow.kvsnap"), "fifo.kvsnap", "dir.kvsnap",
+             "x" * 300 + ".kvsnap", "a/" * 2100 + "x.kvsnap", "nul\0.kvsnap", "/proc/self/environ.kvsnap",
+             str(snaps) + "/../" + outside.name + "/loot.kvsnap", "./up/./loot.kvsnap", "//etc//x.kvsnap",
+             "/dev/zero", "/dev/stdin.kvsnap", "sub/deeper/../../../loot.kvsnap", "up/../up/loot.kvsnap",
+             str(outside) + "/../" + snaps.name + "/../" + outside.name + "/new.kvsnap", "\u202e.kvsnap/..",
+             "~/x.kvsnap"]
+    cases = []
+    for name in names:
+        cases.append((f"snapshot {name[:40]}", "/v1/sessions/victim/snapshot", {"path": name}))
+        cases.append((f"restore {name[:40]}", "/v1/restore", {"path": name}))
+        cases.append((f"restore unsigned {name[:40]}", "/v1/restore", {"path": name, "trust_unsigned": True}))
+    for n in range(10):  # a symlink at each depth of a path inside the snapshot directory
+        deep = snaps.joinpath(*[f"d{i}" for i in range(n)])
+        deep.mkdir(parents=True, exist_ok=True)
+        (deep / f"s{n}").symlink_to(outside)
+        rel = "/".join([*(f"d{i}" for i in range(n)), f"s{n}", "loot.kvsnap"])
+        cases.append((f"symlink at depth {n}", "/v1/restore", {"path": rel}))
+        cases.append((f"symlink at depth {n} (write)", "/v1/sessions/victim/snapshot", {"path": rel}))
+    return cases
+
+
+def run_path_escapes(directory: Path | None = None, progress: Callable[[str], None] = print) -> dict:
+    """Every way of naming a file outside the snapshot directory, or a special file in it, sent to a
+    real admin server: none may be opened, created or written, and none may block a request."""
+    from kvtier.control.client import AdminClient
+    from kvtier.control.local import LocalAdmin
+    from kvtier.errors import KvtierError
+    from kvtier.index import chain_block_hashes
+
+    out = {"path_escapes_tried": 0, "path_escapes": 0, "blocked_requests": 0, "_escaped": [], "_slowest_s": 0.0}
+    with tempfile.TemporaryDirectory(prefix="kvtier-faults-paths-", dir=directory) as tmp:
+        root = Path(tmp)
+        world = World(root / "world")
+        snaps = root / "snaps"
+        admin = LocalAdmin(world.engine, root / "run" / "admin.sock", snapshot_dir=snaps).start()
+        client = AdminClient(str(root / "run" / "admin.sock"), timeout=10)
+        try:
+            tokens = _tokens(3, 2)
+            keys = chain_block_hashes(tokens, SHAPE[3])
+            world.put(keys, range(2))
+            world.engine.store("victim", world.ns, keys, [0, 1], len(tokens), token_ids=tokens)
+            outside = root / "outside"
+            cases = _escapes(snaps, outside)
+            before = sorted(p.name for p in outside.iterdir())
+            loot = (outside / "loot.kvsnap").read_bytes()
+            for label, route, body in cases:
+                out["path_escapes_tried"] += 1
+                started = time.monotonic()
+                try:
+                    job = client.post(route, body)
+                    if job.get("state") in ("queued", "running", "done"):
+                        client.wait(job, timeout=10)
+                        out["path_escapes"] += 1
+                        out["_escaped"].append(label)
+                except KvtierError:
+                    pass
+                took = time.monotonic() - started
+                out["_slowest_s"] = max(out["_slowest_s"], took)
+                if took > 2.0:
+                    out["blocked_requests"] += 1
+            # nothing outside was created or changed, whatever the server answered
+            if sorted(p.name for p in outside.iterdir()) != before or (outside / "loot.kvsnap").read_bytes() != loot:
+                out["path_escapes"] += 1
+                out["_escaped"].append("a file outside the snapshot directory changed")
+            progress(f"paths: {out['path_escapes_tried']} escapes tried, {out['path_escapes']} got through")
         finally:
             client.close()
             admin.stop()
@@ -972,6 +1062,8 @@ def run_faults_bench(quick: bool = False, progress: Callable[[str], None] = prin
     hostile = run_hostile(150 if quick else 600, progress=progress)
     progress("snapshot poisoning: forged snapshots through the admin API")
     poison = run_poisoning(80 if quick else 240, 300 if quick else 1000, progress=progress)
+    progress("paths: escapes from the snapshot directory, special files")
+    paths = run_path_escapes(progress=progress)
     results.update(
         crash_trials=crash["crash_trials"],
         corrupt_loads=crash["corrupt_loads"] + corruption["corrupt_loads"] + pressure["wrong_loads"],
@@ -984,7 +1076,11 @@ def run_faults_bench(quick: bool = False, progress: Callable[[str], None] = prin
         poisoned_loads=poison["poisoned_loads"],
         accepted_forged=poison["accepted_forged"],
         slot_leaks=poison["slot_leaks"],
+        path_escapes_tried=paths["path_escapes_tried"],
+        path_escapes=paths["path_escapes"],
+        blocked_requests=paths["blocked_requests"],
     )
+    results["_paths"] = paths
     results["_poisoning"] = poison
     results["_crash"] = crash
     results["_corruption"] = corruption

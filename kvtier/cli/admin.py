@@ -232,15 +232,29 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
                       json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
                       socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
                       _instance: Optional[str] = INSTANCE_OPTION) -> None:
-        """kvtier snapshot SESSION [--out FILE]: write a session's KV to a portable file."""
-        from pathlib import Path
+        """kvtier snapshot SESSION [--out FILE]: write a session's KV to a portable file. With --out the
+        CLI creates the file where you stand and hands it to the server, which writes only that file."""
+        if not out:
+            write("snapshot", "snapshot", session, {}, wait, json_out, socket)
+            return
+        if not wait:
+            from kvtier.errors import UsageError
 
-        body = {"path": str(Path(out).expanduser().resolve())} if out else {}
-        write("snapshot", "snapshot", session, body, wait, json_out, socket)
+            raise UsageError("--out needs --wait", hint="the CLI moves the finished file into place; drop --no-wait")
+        client = _client(socket)
+        label = f"snapshot {session}"
+        if json_out:
+            job = client.snapshot_to_file(session, out)
+        else:
+            from rich.console import Console
+
+            with Console(stderr=True).status(f"{label} -> {out}…"):
+                job = client.snapshot_to_file(session, out)
+        _finish(client, job, False, json_out, label)
 
     @app.command("restore")
     @handle_errors
-    def restore(file: str = typer.Argument(..., help="A .kvsnap file (read by the server)."),
+    def restore(file: str = typer.Argument(..., help="A .kvsnap file (opened here, handed to the server)."),
                 tier: str = typer.Option("dram", "--tier", help="dram or nvme."),
                 cache_salt: Optional[str] = typer.Option(
                     None, "--cache-salt", help="The tenant's cache salt, when its requests carry one."),
@@ -256,17 +270,17 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         from pathlib import Path
 
         path = Path(file).expanduser()
-        if not path.is_file():
-            from kvtier.errors import NotFoundError
-
-            raise NotFoundError(f"snapshot file {file} does not exist", hint="kvtier snapshot SESSION writes one")
         client = _client(socket)
-        body = {"path": str(path.resolve()), "tier": tier}
+        body: dict = {"tier": tier}
         if cache_salt:
             body["cache_salt"] = cache_salt
         if trust_unsigned:
             body["trust_unsigned"] = True
-        job = client.post("/v1/restore", body)
+        sharded = Path(f"{path}.rank1").exists()  # tensor parallel: one file per rank, read by name
+        if client.url or sharded:  # no file can be handed over: the server looks in its snapshot directory
+            job = client.post("/v1/restore", {**body, "path": str(path.absolute()) if sharded else path.name})
+        else:
+            job = client.restore_file(path, body)
         _finish(client, job, wait, json_out, f"restore {path.name}")
 
     @app.command("flush")

@@ -1,7 +1,9 @@
 """The admin API's operations: read views and write actions over the manager (under its lock)."""
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -19,11 +21,13 @@ SORT_KEYS = ("last_use", "tokens", "bytes", "session_id", "state")
 _TIERS = {"dram": Tier.DRAM, "nvme": Tier.NVME}
 
 
-def handle(ops: "Ops", name: str, params: dict, query: dict, body: dict) -> tuple[int, Any]:
+def handle(ops: "Ops", name: str, params: dict, query: dict, body: dict, fds: list[int] | None = None) -> tuple[int, Any]:
+    """``fds``: files the client handed over the Unix socket with this request (``SCM_RIGHTS``); a
+    handler that keeps one sets its place in the list to -1 (the server closes the rest)."""
     session = None
     if "session" in params:
         session = validate_session_id(unquote(params["session"]))
-    return _HANDLERS[name](ops, session=session, params=params, query=query, body=body)
+    return _HANDLERS[name](ops, session=session, params=params, query=query, body=body, fds=fds or [])
 
 
 # ---- reads -------------------------------------------------------------------------------------
@@ -137,12 +141,20 @@ def _tier(value: Any, field: str, choices: dict) -> Any:
     return choices[value]
 
 
-def _write(ops: "Ops", kind: str, session: str | None, plan) -> tuple[int, dict]:
-    with ops.lock:
-        if session is not None:
-            ops.manager.session(session)  # 404 before 409
-            ops._check_free(session)
-        record = ops._submit(kind, session, plan())
+def _write(ops: "Ops", kind: str, session: str | None, plan, hold: int | None = None) -> tuple[int, dict]:
+    """Plan and submit a job; ``hold``: a handed-over file the job's worker opens, kept open until the
+    job is over (closed at once when the plan fails or nothing had to move)."""
+    try:
+        with ops.lock:
+            if session is not None:
+                ops.manager.session(session)  # 404 before 409
+                ops._check_free(session)
+            record = ops._submit(kind, session, plan())
+            if hold is not None and record.state == "queued":
+                ops.held_fds[record.job_id], hold = hold, None
+    finally:
+        if hold is not None:
+            os.close(hold)
     ops.manager.sync_catalog(ops.lock)  # a pin (or a drop) is in the session catalog before the answer
     if record.state == "queued":
         ops.wake()
@@ -165,7 +177,45 @@ def _evict(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
     return _write(ops, "evict", session, lambda: ops.manager.evict(session, to))
 
 
-def _snapshot(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
+def _handed(body: dict, fds: list[int], writable: bool) -> int | None:
+    """The file the client handed over (``{"fd": 0}``), checked: a regular file, open for writing
+    when it is to be written. None when the body names no handed-over file."""
+    import fcntl
+    import stat
+
+    if "fd" not in body:
+        return None
+    index = body["fd"]
+    if "path" in body:
+        raise ApiError(400, "give a path or a handed-over file, not both")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(fds) or fds[index] < 0:
+        raise ApiError(400, "no file was handed over with this request",
+                       hint="the CLI hands the file it opened over the Unix socket (SCM_RIGHTS)")
+    fd = fds[index]
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise ApiError(400, "the file handed over is not a regular file")
+    mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    if writable and mode == os.O_RDONLY:
+        raise ApiError(400, "the file handed over is not open for writing")
+    return fd
+
+
+def _adopt(fds: list[int], fd: int) -> str:
+    """Take a handed-over file from the request (``_write`` keeps it open for the job) and return the
+    path the worker opens it by."""
+    fds[fds.index(fd)] = -1
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def _snapshot(ops: "Ops", session: str, body: dict, fds: list[int], **_) -> tuple[int, dict]:
+    handed = _handed(body, fds, writable=True)
+    if handed is not None:
+        if ops.manager.fingerprint.shards > 1:
+            raise ApiError(400, "a tensor-parallel snapshot is one file per rank: it cannot be written to a "
+                                "handed-over file", hint="snapshot into the server's snapshot directory (no --out)")
+        path = _adopt(fds, handed)
+        return _write(ops, "snapshot", session, lambda: ops.manager.prepare_snapshot(session, path, in_place=True),
+                      hold=handed)
     path = resolve_snapshot_path(ops, body.get("path"), session)
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise ApiError(400, f"{path} is not a regular file", hint="give a new file path")
@@ -185,10 +235,12 @@ def _snapshot(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
     return _write(ops, "snapshot", session, lambda: ops.manager.prepare_snapshot(session, str(path)))
 
 
-def _restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
-    from kvtier.snapshot import open_snapshot
-
-    if "path" not in body:
+def _restore(ops: "Ops", body: dict, fds: list[int], **_) -> tuple[int, dict]:
+    handed = _handed(body, fds, writable=False)
+    if handed is not None and ops.manager.fingerprint.shards > 1:
+        raise ApiError(400, "a tensor-parallel snapshot is one file per rank: hand-over restores one file only",
+                       hint="copy the files into the server's snapshot directory and restore by name")
+    if handed is None and "path" not in body:
         raise ApiError(400, "restore needs a snapshot path", hint='{"path": "/data/snapshots/agent.kvsnap"}')
     tier = _tier(body.get("tier", "dram"), "tier", _TIERS)
     salt = body.get("cache_salt")
@@ -197,7 +249,17 @@ def _restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
     trust_unsigned = body.get("trust_unsigned", False)
     if not isinstance(trust_unsigned, bool):
         raise ApiError(400, "trust_unsigned must be true or false")
-    path = resolve_snapshot_path(ops, body["path"], "restore")
+    path = Path(_adopt(fds, handed)) if handed is not None else resolve_snapshot_path(ops, body["path"], "restore")
+    try:
+        return _restore_file(ops, path, tier, salt, trust_unsigned, handed)
+    except BaseException:
+        if handed is not None and handed not in ops.held_fds.values():
+            os.close(handed)
+        raise
+
+
+def _restore_file(ops: "Ops", path: Path, tier, salt, trust_unsigned: bool, handed: int | None) -> tuple[int, dict]:
+    from kvtier.snapshot import open_snapshot
     from kvtier.trust import keys_file, load_keys
 
     # validates the whole header (SnapshotError -> 400 with a hint), no longer than a session here can
@@ -214,6 +276,10 @@ def _restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
         # keys recomputed from the file's token ids, the namespace this engine's own: nothing the
         # file says decides where its KV goes (refused files take no slot, row or NVMe byte)
         record = ops._submit("restore", info.session_id, ops.manager.prepare_restore(info, tier, salt))
+        if handed is not None and record.state == "queued":  # the worker reads it: open until the job ends
+            ops.held_fds[record.job_id], handed = handed, None
+    if handed is not None:
+        os.close(handed)
     ops.manager.sync_catalog(ops.lock)
     if record.state == "queued":
         ops.wake()

@@ -123,6 +123,109 @@ class AdminClient:
             _raise(response.status, payload)
         return orjson.loads(payload)
 
+    def post_with_file(self, path: str, body: dict, fd: int, name: str | os.PathLike | None = None) -> Any:
+        """POST ``body`` with the open file ``fd`` handed over the Unix socket (``SCM_RIGHTS``): the
+        server reads or writes that file, and only that, whatever its path (it names none). Its
+        errors name the file as ``name`` (the server only knows it as ``/proc/<pid>/fd/<n>``)."""
+        try:
+            return self._post_with_file(path, body, fd)
+        except KvtierError as exc:
+            if name is not None:
+                import re
+
+                exc.message = re.sub(r"/proc/\d+/fd/\d+", os.fspath(name).replace("\\", "\\\\"), exc.message)
+                exc.args = (exc.message,)
+            raise
+
+    def _post_with_file(self, path: str, body: dict, fd: int) -> Any:
+        if self.url:
+            raise UsageError("a file can only be handed over the admin Unix socket, not TCP",
+                             hint="over TCP, name a file in the server's snapshot directory")
+        data = json.dumps({**body, "fd": 0}).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.socket_path)
+                socket.send_fds(sock, [head + data], [fd])
+                response = http.client.HTTPResponse(sock)
+                response.begin()
+                payload = response.read()
+            except (FileNotFoundError, ConnectionRefusedError):
+                raise NoServerError(f"no kvtier server is listening on {self.socket_path}",
+                                    hint=NO_SERVER_HINT) from None
+            except socket.timeout:
+                raise KvtierError(f"the kvtier server did not answer within {self.timeout:.0f} s",
+                                  hint="it may be busy; retry, or check its log") from None
+        if response.status >= 400:
+            _raise(response.status, payload)
+        return orjson.loads(payload)
+
+    def snapshot_to_file(self, session_id: str, target: str | os.PathLike,
+                         on_poll: Callable[[dict], None] | None = None) -> dict:
+        """Snapshot a session into ``target`` wherever the caller may write: a temp file is made beside
+        it, handed over, written by the server, and renamed into place once the job is done (the
+        target only ever holds a complete snapshot). Returns the finished job, its path the target's."""
+        from pathlib import Path
+
+        from kvtier.snapshot import SnapshotError, open_snapshot
+        from kvtier.tiers.records import fsync_dir
+
+        target = Path(target).expanduser().absolute()
+        if target.exists() or target.is_symlink():
+            if target.is_symlink() or not target.is_file():
+                raise UsageError(f"{target} exists and is not a regular file", hint="give a new file path")
+            try:
+                open_snapshot(target)
+            except SnapshotError:
+                raise UsageError(f"{target} exists and is not a kvtier snapshot",
+                                 hint="kvtier only overwrites its own snapshot files; choose another path") from None
+        if not target.parent.is_dir():
+            raise UsageError(f"directory {target.parent} does not exist", hint="create it first")
+        import secrets
+
+        temp = target.parent / f".{target.name}.tmp-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise UsageError(f"cannot create {temp}: {exc.strerror}", hint="check the directory's permissions") \
+                from None
+        done = False
+        try:
+            try:
+                job = self.post_with_file(self.session_path(session_id, "snapshot"), {}, fd, name=target)
+            finally:
+                os.close(fd)
+            job = self.wait(job, on_poll=on_poll)
+            if job["state"] == "done":
+                os.replace(temp, target)
+                fsync_dir(target.parent)
+                job["path"], done = str(target), True
+            return job
+        finally:
+            if not done:
+                temp.unlink(missing_ok=True)
+
+    def restore_file(self, source: str | os.PathLike, body: dict | None = None) -> dict:
+        """Restore the snapshot ``source`` (opened here, without blocking on a special file, and
+        handed over); returns the job as the server answered it."""
+        import stat
+
+        try:
+            fd = os.open(os.fspath(source), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFoundError(f"snapshot file {source} does not exist", hint="kvtier snapshot SESSION writes one") \
+                from None
+        except OSError as exc:
+            raise UsageError(f"cannot open {source}: {exc.strerror}", hint="check its permissions") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UsageError(f"{source} is not a regular file", hint="give the path of a .kvsnap file")
+            return self.post_with_file("/v1/restore", dict(body or {}), fd, name=source)
+        finally:
+            os.close(fd)
+
     def get(self, path: str, **query) -> Any:
         query = {k: v for k, v in query.items() if v is not None}
         return self.request("GET", path + (f"?{urlencode(query)}" if query else ""))

@@ -24,6 +24,7 @@ Routes (``GET /v1/openapi.json`` describes them)::
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -104,6 +105,7 @@ class Ops:
         self.busy: dict[str, int] = {}  # session -> job in flight
         self.latency: dict[str, list[float]] = {}  # job kind -> seconds (recent)
         self.cost = cost  # a kvtier.costmodel.CostModel (the connector's), or None
+        self.held_fds: dict[int, int] = {}  # job -> a file a client handed over, open until the job ends
         self.hbm = hbm or (lambda: {"used_bytes": None, "blocks": None, "capacity_bytes": None})
 
     def link_bytes(self) -> dict[str, int]:
@@ -119,6 +121,9 @@ class Ops:
                 record.state = "running"
 
     def finished(self, result) -> None:
+        held = self.held_fds.pop(result.job_id, None)
+        if held is not None:
+            os.close(held)
         record = self.jobs.get(result.job_id)
         if record is None:
             return
@@ -173,6 +178,7 @@ class _Quiet:
     one is a thread; 10,000 idle ones must not become 10,000 threads)."""
 
     max_connections = MAX_CONNECTIONS
+    request_queue_size = 128  # listen backlog: a burst of clients waits for accept instead of failing
 
     def handle_error(self, request, client_address) -> None:  # a client that hung up is not news
         log.debug("kvtier admin: connection error", exc_info=True)
@@ -321,7 +327,8 @@ _ROUTES: list[tuple[str, re.Pattern, str]] = [
         ("POST", "/v1/flush", "flush"),
     ]
 ]
-_BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"path"}, "restore": {"path", "tier", "cache_salt", "trust_unsigned"}, "flush": {"session"}}
+_BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"path", "fd"},
+                "restore": {"path", "fd", "tier", "cache_salt", "trust_unsigned"}, "flush": {"session"}}
 
 
 _REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
@@ -362,6 +369,11 @@ def _make_handler(ops: Ops, token: str | None):
             self.request.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
                                     struct.pack("ll", int(IDLE_TIMEOUT_S), 0))
             self.buffer = b""
+            self.unix = self.request.family == socket.AF_UNIX
+            self.fds: list[int] = []  # files handed over (SCM_RIGHTS) with the request being read
+
+        def finish(self) -> None:
+            self._close_fds(self.fds)
 
         def handle(self) -> None:
             while True:
@@ -374,7 +386,11 @@ def _make_handler(ops: Ops, token: str | None):
                     return  # the client went away or idled out
                 if request is None:
                     return
-                status, data, content_type, close = self._dispatch(request)
+                fds, self.fds = self.fds, []
+                try:
+                    status, data, content_type, close = self._dispatch(request, fds)
+                finally:
+                    self._close_fds(fds)  # the ones no handler kept
                 if not self._answer(status, data, content_type, close=close or not request.keep_alive):
                     return
                 if close or not request.keep_alive:
@@ -382,9 +398,24 @@ def _make_handler(ops: Ops, token: str | None):
 
         # ---- reading ---------------------------------------------------------------------------
         def _recv(self) -> bytes:
-            chunk = self.request.recv(65536)
+            if self.unix:  # a client may hand over an open file with its request (kvtier snapshot --out)
+                chunk, fds, _flags, _addr = socket.recv_fds(self.request, 65536, 4)
+                self.fds.extend(fds)
+                if len(self.fds) > 4:
+                    self._close_fds(self.fds)
+                    raise ApiError(400, "too many files handed over")
+            else:
+                chunk = self.request.recv(65536)
             self.buffer += chunk
             return chunk
+
+        @staticmethod
+        def _close_fds(fds: list[int]) -> None:
+            for i, fd in enumerate(fds):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                    fds[i] = -1
 
         def _read_request(self) -> _Request | None:
             started = None
@@ -452,7 +483,7 @@ def _make_handler(ops: Ops, token: str | None):
             return request
 
         # ---- answering -------------------------------------------------------------------------
-        def _dispatch(self, request: _Request) -> tuple[int, bytes, bytes, bool]:
+        def _dispatch(self, request: _Request, fds: list[int]) -> tuple[int, bytes, bytes, bool]:
             """(status, body, content type, close after answering)."""
             method = request.method
             try:
@@ -461,7 +492,7 @@ def _make_handler(ops: Ops, token: str | None):
                 body = _body(name, request.body) if method == "POST" else {}
                 if name == "metrics":
                     return 200, api.metrics(ops), _TEXT, False
-                status, payload = api.handle(ops, name, params, _query(query), body)
+                status, payload = api.handle(ops, name, params, _query(query), body, fds)
                 return status, orjson.dumps(payload), _JSON, False
             except ApiError as exc:
                 return exc.status, _error_body(exc.message, exc.hint), _JSON, True
@@ -526,22 +557,45 @@ def _query(query: str) -> dict[str, str]:
 
 
 def resolve_snapshot_path(ops: Ops, given: Any, session_id: str) -> Path:
-    """Where a snapshot goes: a path the caller gave, or ``<snapshot dir>/<session>.kvsnap``."""
+    """Where a snapshot named by a client goes or comes from: always inside the server's snapshot
+    directory. A relative name is taken there; an absolute path only if it resolves there (its
+    directories' symlinks followed, then checked); a symlink or special file at the end is refused
+    without being opened. Anywhere else, the CLI opens the file itself and hands it over the Unix
+    socket (``{"fd": 0}``), so the server touches only what the caller could."""
+    import stat as stat_mod
+
+    outside = ("name a file in the snapshot directory, or let the CLI hand the file over: "
+               "`kvtier snapshot S --out FILE`, `kvtier restore FILE`")
+    if ops.snapshot_dir is None:
+        raise ApiError(400, "no snapshot directory is configured", hint=outside)
     if given is None:
-        if ops.snapshot_dir is None:
-            raise ApiError(400, "no snapshot directory is configured", hint='pass {"path": "/some/file.kvsnap"}')
         return ops.snapshot_dir / f"{session_id}{SNAPSHOT_SUFFIX}"
     if not isinstance(given, str) or not given or "\0" in given or len(given) > 4096:
-        raise ApiError(400, "path must be a non-empty string", hint="e.g. /data/snapshots/agent.kvsnap")
+        raise ApiError(400, "path must be a non-empty string", hint="e.g. agent.kvsnap (in the snapshot directory)")
     if not given.endswith(SNAPSHOT_SUFFIX):
-        raise ApiError(400, f"snapshot path {given!r} does not end in {SNAPSHOT_SUFFIX}",
+        raise ApiError(400, f"snapshot path {given[:200]!r} does not end in {SNAPSHOT_SUFFIX}",
                        hint=f"name snapshot files *{SNAPSHOT_SUFFIX} (kvtier never overwrites other files)")
     path = Path(given)
+    if len(path.name.encode()) > 255:
+        raise ApiError(400, "file name too long", hint="at most 255 bytes")
     if not path.is_absolute():
         if ".." in path.parts:
-            raise ApiError(400, f"relative path {given!r} leaves the snapshot directory",
-                           hint="give a plain file name, or an absolute path")
-        if ops.snapshot_dir is None:
-            raise ApiError(400, "a relative path needs a snapshot directory", hint="give an absolute path")
+            raise ApiError(400, f"relative path {given[:200]!r} leaves the snapshot directory", hint=outside)
         path = ops.snapshot_dir / path
-    return path
+    root = os.path.realpath(ops.snapshot_dir)
+    parent = os.path.realpath(path.parent)
+    if parent != root and not parent.startswith(root.rstrip("/") + "/"):
+        raise ApiError(400, f"{given[:200]} is outside the server's snapshot directory {ops.snapshot_dir}",
+                       hint=outside)
+    final = Path(parent) / path.name
+    try:
+        mode = os.lstat(final).st_mode
+    except FileNotFoundError:
+        return final
+    except OSError as exc:
+        raise ApiError(400, f"cannot use {given[:200]}: {exc.strerror}") from None
+    if stat_mod.S_ISLNK(mode):
+        raise ApiError(400, f"{given[:200]} is a symbolic link: refused", hint="name the file itself")
+    if not stat_mod.S_ISREG(mode):
+        raise ApiError(400, f"{given[:200]} is not a regular file", hint="snapshots are regular files")
+    return final

@@ -22,7 +22,6 @@ __all__ = ["run_demo"]
 
 def run_demo(tokens: int = 8192, size: str = "tiny", workdir: str | None = None,
              say: Callable[[str], None] = print) -> dict:
-    from kvtier.control.client import AdminClient
     from kvtier.demo_model import ensure_demo_model
     from kvtier.plugins.vllm.served import Served
     from kvtier.snapshot import verify_snapshot
@@ -43,7 +42,7 @@ def run_demo(tokens: int = 8192, size: str = "tiny", workdir: str | None = None,
         first = evening.turn("agent-42", context)
         say(f"evening: agent-42's first turn, prefill paid in full: TTFT {first['seconds']:.2f} s")
         admin = evening.admin()
-        job = admin.wait(admin.post(AdminClient.session_path("agent-42", "snapshot"), {"path": str(snapshot)}))
+        job = admin.snapshot_to_file("agent-42", snapshot)  # made here, handed to the server
         admin.close()
         info = verify_snapshot(snapshot)
         if info.session_id != "agent-42":  # the file is named for the session it must hold

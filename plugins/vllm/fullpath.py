@@ -85,10 +85,9 @@ def full_path(model: str, base: Path, tp: int = 2, tokens: int = 700, progress: 
         loaded = server.turn("agent", second)
         report["loaded_tokens"] = loaded["loaded"]
         report["loaded_text_matches_plain"] = loaded["text"] == want
-        snapshot = base / "agent.kvsnap"
-        job = admin.wait(admin.post(admin.session_path("agent", "snapshot"), {"path": str(snapshot)}))
+        job = admin.wait(admin.post(admin.session_path("agent", "snapshot"), {}))  # in the snapshot dir
         report["snapshot_ok"] = job["state"] == "done"
-        report["snapshot_files"] = sorted(p.name for p in base.glob("agent.kvsnap*"))
+        report["snapshot_files"] = sorted(p.name for p in (base / "snapshots").glob("agent.kvsnap*"))
         counters = admin.get("/v1/status")["counters"]
         report["store_jobs_failed"] = counters.get("jobs_store_failed", 0)
     finally:
@@ -104,7 +103,7 @@ def full_path(model: str, base: Path, tp: int = 2, tokens: int = 700, progress: 
         report["after_restart_text_matches_plain"] = again["text"] == want
         admin.wait(admin.post(admin.session_path("agent", "evict"), {"to": "drop"}))
         _forget_hbm(server)
-        job = admin.wait(admin.post("/v1/restore", {"path": str(base / "agent.kvsnap")}))
+        job = admin.wait(admin.post("/v1/restore", {"path": "agent.kvsnap"}))  # by name, in the snapshot dir
         report["restore_ok"] = job["state"] == "done"
         restored = server.turn("agent", second)
         report["restored_loaded_tokens"] = restored["loaded"]
