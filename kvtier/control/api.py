@@ -228,7 +228,7 @@ def _snapshot(ops: "Ops", session: str, body: dict, fds: list[int], **_) -> tupl
             raise ApiError(400, f"{path} exists and is not a kvtier snapshot",
                            hint="kvtier only overwrites its own snapshot files; choose another path") from None
     if not path.parent.is_dir():
-        if path.parent == ops.snapshot_dir:
+        if os.path.realpath(path.parent) == os.path.realpath(ops.snapshot_dir):
             path.parent.mkdir(parents=True, exist_ok=True)
         else:
             raise ApiError(400, f"directory {path.parent} does not exist", hint="create it first")
