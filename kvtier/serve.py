@@ -310,6 +310,27 @@ def resolve_model(model: str, revision: str | None = None, extra_args: Sequence[
     return ModelSource(model, "hub", revision, None)
 
 
+def _bounded(call: Callable[[], object], seconds: float) -> object:
+    """``call()`` in a daemon thread, given up after ``seconds``: the HTTP timeout does not cover a
+    DNS lookup (``getaddrinfo`` blocks), and a hung resolver must not hold ``kvtier serve`` up."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="kvtier-hub-check", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 def _ask_hub(model: str, revision: str | None, at: str) -> None:
     """Whether the hub knows ``model`` (and ``revision``): refused with one line when it does not."""
     try:
@@ -319,7 +340,7 @@ def _ask_hub(model: str, revision: str | None, at: str) -> None:
         raise UsageError(f"{model} is not a local directory and huggingface_hub is not installed",
                          hint="pass a local model directory, or pip install huggingface_hub") from None
     try:
-        HfApi().model_info(model, revision=revision, timeout=_HUB_TIMEOUT_S)
+        _bounded(lambda: HfApi().model_info(model, revision=revision, timeout=_HUB_TIMEOUT_S), _HUB_TIMEOUT_S + 0.3)
     except GatedRepoError:
         raise UsageError(f"model {model} is gated on the Hugging Face hub",
                          hint="accept its terms on huggingface.co and log in (`hf auth login` or HF_TOKEN)") from None

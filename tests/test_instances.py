@@ -452,3 +452,18 @@ def test_doctor_reports_every_gpu_of_the_instance(monkeypatch):
     warnings = [w for link in links for w in doctor._link_warnings(link, 12.0, True)]
     assert len(warnings) == 2 and all(w.startswith("GPU 3: ") for w in warnings)
     assert gpu.gpu_links(["9"])[0]["present"] is False
+
+
+def test_a_hung_resolver_does_not_hold_serve_up(run_env, tmp_path, monkeypatch):
+    """The hub's HTTP timeout does not cover DNS: a resolver that hangs is cut off by kvtier itself."""
+    import socket as socket_mod
+
+    from kvtier.serve import resolve_model
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(socket_mod, "getaddrinfo", lambda *a, **k: time.sleep(30))
+    started = time.monotonic()
+    with pytest.raises(UsageError, match="cannot reach the Hugging Face hub") as err:
+        resolve_model("org/slow-dns")
+    assert time.monotonic() - started < 3.5
+    assert "TimeoutError" in err.value.message
