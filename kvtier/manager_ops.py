@@ -213,7 +213,7 @@ class SessionOps:
         return keys
 
     def prepare_restore(self: "TierManager", info: "SnapshotInfo", tier: Tier = Tier.DRAM,
-                        cache_salt: str | None = None) -> Job | None:
+                        cache_salt: str | None = None, require_signed: bool = False) -> Job | None:
         """A RESTORE job bringing a snapshot's missing blocks into DRAM (overflow: NVMe) or NVMe.
 
         Nothing in the file is trusted for where blocks go: the namespace is this engine's own (its
@@ -265,8 +265,10 @@ class SessionOps:
         self.record_session(info.session_id, namespace, keys, info.num_tokens, token_ids=info.token_ids or None)
         if not moves and not drops:
             return None
+        # require_signed: every rank's file must be signed by a trusted key (the admin API checked
+        # rank 0's; the worker checks its own shard before reading it)
         return self._new_job(JobKind.RESTORE, moves=moves, drops=drops, session_id=info.session_id,
-                             path=str(info.path))
+                             path=str(info.path), header={"require_signed": require_signed})
 
     def _complete_restore(self: "TierManager", job: Job, result: JobResult) -> None:
         col = self.index.col

@@ -681,8 +681,17 @@ class Mover:
                 written.extend(i for i, _ in pending)
                 pending.clear()
 
-        for position, payload in read_blocks(shard_path(job.path, self.rank, self.shards),
-                                             expected_fingerprint=self.fingerprint):
+        shard = shard_path(job.path, self.rank, self.shards)
+        if (job.header or {}).get("require_signed"):
+            from kvtier.errors import SnapshotError
+            from kvtier.snapshot import open_snapshot
+            from kvtier.trust import load_keys
+
+            if not open_snapshot(shard, trusted_keys=load_keys()).signed:
+                raise SnapshotError(f"snapshot shard {shard} (rank {self.rank}) is not signed by a key this "
+                                    "server trusts", hint="restore it with --trust-unsigned if you trust it",
+                                    path=str(shard))
+        for position, payload in read_blocks(shard, expected_fingerprint=self.fingerprint):
             i = wanted.get(position)
             if i is None:
                 continue

@@ -274,3 +274,42 @@ def test_a_kv_cache_size_passed_to_vllm_is_not_overridden_by_kvtier_defaults(arg
 
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_cpu_env({}, args)
     assert vllm_cpu_env({}, [])["VLLM_CPU_KVCACHE_SPACE"] == "4"  # the default when nothing sizes it
+
+
+def test_every_rank_checks_its_own_shard_is_signed(tmp_path):
+    """The admin API checks the signature of rank 0's file; each rank's worker checks its own shard
+    before reading it, so a swapped `.rank1` file is refused too."""
+    import json
+    import struct
+
+    import xxhash
+
+    from kvtier.snapshot import open_snapshot, shard_path
+
+    ranks = [engine(tmp_path, f"r{r}", kv_layers(50 + r), shards=2, rank=r) for r in range(2)]
+    ns = namespace_of(ranks[0].fingerprint.digest)
+    path = tmp_path / "s.kvsnap"
+    for eng in ranks:
+        eng.store("s", ns, KEYS, [0, 1, 2, 3], num_tokens=64, token_ids=TOKENS)
+        assert eng.snapshot("s", path).ok
+    rank1 = shard_path(path, 1, 2)  # tampered: a header field changed, its checksum redone, no key to sign
+    data = bytearray(open(rank1, "rb").read())
+    pre = struct.Struct("<8sHHQQQQ")
+    magic, version, flags, header_len, _sum, offset, file_len = pre.unpack_from(data)
+    doc = json.loads(bytes(data[64:64 + header_len]))
+    doc["created"] = 1.0
+    header = json.dumps(doc).encode().ljust(header_len, b" ")
+    data[64:64 + header_len] = header
+    data[0:64] = pre.pack(magic, version, flags, header_len, xxhash.xxh3_64_intdigest(header), offset,
+                          file_len).ljust(64, b"\0")
+    open(rank1, "wb").write(bytes(data))
+    restored = [engine(tmp_path, f"q{r}", kv_layers(60 + r), shards=2, rank=r) for r in range(2)]
+    results = [eng.execute(eng.manager.prepare_restore(open_snapshot(path), require_signed=True)) for eng in restored]
+    assert results[0].ok and not results[1].ok
+    assert "rank 1" in results[1].error and "not signed" in results[1].error
+    refused = restored[1].manager  # its failed job gave back every slot and row it had planned
+    assert refused.slots.free_slots == refused.slots.num_slots and refused.lookup(ns, KEYS) == []
+    again = engine(tmp_path, "u1", kv_layers(70), shards=2, rank=1)  # the operator vouches: it restores
+    assert again.execute(again.manager.prepare_restore(open_snapshot(path), require_signed=False)).ok
+    for eng in [*ranks, *restored, again]:
+        eng.close(write_back=False)

@@ -275,7 +275,8 @@ def _restore_file(ops: "Ops", path: Path, tier, salt, trust_unsigned: bool, hand
         ops._check_free(info.session_id)
         # keys recomputed from the file's token ids, the namespace this engine's own: nothing the
         # file says decides where its KV goes (refused files take no slot, row or NVMe byte)
-        record = ops._submit("restore", info.session_id, ops.manager.prepare_restore(info, tier, salt))
+        record = ops._submit("restore", info.session_id,
+                             ops.manager.prepare_restore(info, tier, salt, require_signed=not trust_unsigned))
         if handed is not None and record.state == "queued":  # the worker reads it: open until the job ends
             ops.held_fds[record.job_id], handed = handed, None
     if handed is not None:
