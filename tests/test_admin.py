@@ -462,3 +462,32 @@ def test_a_pin_is_in_the_catalog_when_the_command_returns(server):
     with sqlite3.connect(f"file:{server.engine.catalog.path}?mode=ro", uri=True) as db:
         meta = db.execute("SELECT meta FROM sessions WHERE session_id = 'agent-2'").fetchone()[0]
     assert _META.unpack_from(meta)[2] == 2  # pinned to Tier.NVME
+
+
+def test_the_cli_reaches_the_tcp_listener_with_its_token(fingerprint, hbm, tmp_path, monkeypatch):
+    """KVTIER_ADMIN_URL + KVTIER_ADMIN_TOKEN (or KVTIER_ADMIN_TOKEN_FILE): the CLI talks to the loopback
+    TCP listener; no token or a readable token file is refused with a hint."""
+    engine = make_engine(fingerprint, hbm, tmp_path, nvme_blocks=0)
+    token = "t0ken-" + "x" * 20
+    admin = LocalAdmin(engine, tmp_path / "c.sock", tcp=("127.0.0.1", 0), token=token).start()
+    for key in ("KVTIER_ADMIN_SOCKET", "KVTIER_INSTANCE", "KVTIER_ADMIN_TOKEN", "KVTIER_ADMIN_TOKEN_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    try:
+        url = f"http://127.0.0.1:{admin.server.tcp_port}"
+        ok = runner.invoke(app, ["status", "--json"], env={"KVTIER_ADMIN_URL": url, "KVTIER_ADMIN_TOKEN": token})
+        assert ok.exit_code == 0, ok.output
+        assert json.loads(ok.output)["model"] == "test-model"
+        missing = runner.invoke(app, ["status"], env={"KVTIER_ADMIN_URL": url})
+        assert missing.exit_code == 2 and "bearer token" in missing.stderr
+        token_file = tmp_path / "token"
+        token_file.write_text(token)
+        token_file.chmod(0o644)
+        loose = runner.invoke(app, ["status"], env={"KVTIER_ADMIN_URL": url, "KVTIER_ADMIN_TOKEN_FILE": str(token_file)})
+        assert loose.exit_code == 2 and "chmod 600" in loose.stderr
+        token_file.chmod(0o600)
+        fine = runner.invoke(app, ["sessions", "--json"],
+                             env={"KVTIER_ADMIN_URL": url, "KVTIER_ADMIN_TOKEN_FILE": str(token_file)})
+        assert fine.exit_code == 0, fine.output
+    finally:
+        admin.stop()
+        engine.close(write_back=False)
