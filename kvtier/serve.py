@@ -165,8 +165,9 @@ def admin_token(token_file: str | None, env: Mapping[str, str] | None = None) ->
 def check_admin_socket(path: str) -> None:
     """Refuse, before vLLM loads a model for minutes, an admin socket another live kvtier server
     answers on (a stale one, left by a killed server, is replaced at start)."""
-    import socket
     import stat
+
+    from kvtier.control.instances import socket_answers
 
     try:
         mode = os.lstat(path).st_mode
@@ -175,14 +176,8 @@ def check_admin_socket(path: str) -> None:
     if not stat.S_ISSOCK(mode):
         raise UsageError(f"admin socket path {path} exists and is not a socket",
                          hint="move it away, or pass --admin-socket another path")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(path)
-    except OSError:
+    if not socket_answers(path, timeout=2.0):
         return  # stale
-    finally:
-        probe.close()
     raise UsageError(f"another kvtier server is listening on the admin socket {path}",
                      hint="stop it, or give this server its own --admin-socket PATH (and --port)")
 

@@ -52,7 +52,7 @@ from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.records import checksum, fsync_dir, probe_direct_io
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "BlockEntry", "SnapshotInfo", "SnapshotWriter", "write_snapshot",
-           "header_cap", "open_snapshot", "read_blocks", "verify_snapshot", "remove_stale_temp_files", "shard_path"]
+           "header_cap", "open_snapshot", "overwrite_refusal", "read_blocks", "verify_snapshot", "remove_stale_temp_files", "shard_path"]
 
 MAGIC = b"KVTSNAP\0"
 FORMAT_VERSION = 1
@@ -435,6 +435,21 @@ def _open_file(path: str, direct: bool = False) -> tuple[int, int]:
         raise _fail(path, f"is {kind}, not a snapshot file", "give the path of a snapshot file")
     os.set_blocking(fd, True)
     return fd, st.st_size
+
+
+def overwrite_refusal(path: str | os.PathLike[str]) -> str | None:
+    """Why a snapshot must not be written at ``path`` (None: it may be): kvtier replaces only its own
+    snapshot files, never a symlink, a special file or anything else that is there."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        return None
+    if path.is_symlink() or not path.is_file():
+        return f"{path} exists and is not a regular file"
+    try:
+        open_snapshot(path)
+    except SnapshotError:
+        return f"{path} exists and is not a kvtier snapshot"
+    return None
 
 
 def header_cap(max_blocks: int, block_tokens: int) -> int:

@@ -217,16 +217,11 @@ def _snapshot(ops: "Ops", session: str, body: dict, fds: list[int], **_) -> tupl
         return _write(ops, "snapshot", session, lambda: ops.manager.prepare_snapshot(session, path, in_place=True),
                       hold=handed)
     path = resolve_snapshot_path(ops, body.get("path"), session)
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        raise ApiError(400, f"{path} is not a regular file", hint="give a new file path")
-    if path.exists():
-        from kvtier.snapshot import SnapshotError, open_snapshot
+    from kvtier.snapshot import overwrite_refusal
 
-        try:
-            open_snapshot(path)
-        except SnapshotError:
-            raise ApiError(400, f"{path} exists and is not a kvtier snapshot",
-                           hint="kvtier only overwrites its own snapshot files; choose another path") from None
+    refusal = overwrite_refusal(path)
+    if refusal:
+        raise ApiError(400, refusal, hint="kvtier only overwrites its own snapshot files; choose another path")
     if not path.parent.is_dir():
         if os.path.realpath(path.parent) == os.path.realpath(ops.snapshot_dir):
             path.parent.mkdir(parents=True, exist_ok=True)

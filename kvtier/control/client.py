@@ -169,18 +169,13 @@ class AdminClient:
         target only ever holds a complete snapshot). Returns the finished job, its path the target's."""
         from pathlib import Path
 
-        from kvtier.snapshot import SnapshotError, open_snapshot
+        from kvtier.snapshot import overwrite_refusal
         from kvtier.tiers.records import fsync_dir
 
         target = Path(target).expanduser().absolute()
-        if target.exists() or target.is_symlink():
-            if target.is_symlink() or not target.is_file():
-                raise UsageError(f"{target} exists and is not a regular file", hint="give a new file path")
-            try:
-                open_snapshot(target)
-            except SnapshotError:
-                raise UsageError(f"{target} exists and is not a kvtier snapshot",
-                                 hint="kvtier only overwrites its own snapshot files; choose another path") from None
+        refusal = overwrite_refusal(target)
+        if refusal:
+            raise UsageError(refusal, hint="kvtier only overwrites its own snapshot files; choose another path")
         if not target.parent.is_dir():
             raise UsageError(f"directory {target.parent} does not exist", hint="create it first")
         import secrets

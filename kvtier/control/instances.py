@@ -29,7 +29,7 @@ from pathlib import Path
 from kvtier.errors import NoServerError, UsageError
 
 __all__ = ["Instance", "Registration", "client_socket", "find_instance", "instance_socket", "legacy_socket_path", "list_instances",
-           "registry_dir", "runtime_dir", "valid_name"]
+           "registry_dir", "runtime_dir", "socket_answers", "valid_name"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NAME_HINT = "a name is 1 to 64 letters, digits, '.', '_' or '-' (default: the API port)"
@@ -93,7 +93,8 @@ class Instance:
         return asdict(self)
 
 
-def _socket_answers(path: str, timeout: float = 1.0) -> bool:
+def socket_answers(path: str, timeout: float = 1.0) -> bool:
+    """Whether a server accepts connections on the Unix socket ``path`` (False: gone, stale, not there)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(timeout)
     try:
@@ -133,7 +134,7 @@ def _remove_stale(record: Path, fd: int) -> None:
             os.unlink(record)
     except FileNotFoundError:
         pass
-    if sock and not _socket_answers(sock):
+    if sock and not socket_answers(sock):
         try:
             if stat.S_ISSOCK(os.lstat(sock).st_mode):
                 os.unlink(sock)

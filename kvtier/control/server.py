@@ -285,16 +285,12 @@ class AdminServer:
         if self.socket_path.exists() or self.socket_path.is_symlink():
             if not stat.S_ISSOCK(self.socket_path.lstat().st_mode):
                 raise UsageError(f"{self.socket_path} exists and is not a socket", hint="move it away")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(str(self.socket_path))
-            except OSError:  # stale: its server is gone
-                self.socket_path.unlink()
-            else:
+            from kvtier.control.instances import socket_answers
+
+            if socket_answers(str(self.socket_path)):
                 raise UsageError(f"another kvtier server is already listening on {self.socket_path}",
                                  hint="stop it first, or set XDG_RUNTIME_DIR for this one")
-            finally:
-                probe.close()
+            self.socket_path.unlink()  # stale: its server is gone
 
     def stop(self) -> None:
         for server in self._servers:
