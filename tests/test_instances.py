@@ -460,7 +460,11 @@ def test_a_hung_resolver_does_not_hold_serve_up(run_env, tmp_path, monkeypatch):
 
     from kvtier.serve import resolve_model
 
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    # huggingface_hub reads HF_HUB_OFFLINE once, at its import: another test of this run may have set it
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(socket_mod, "getaddrinfo", lambda *a, **k: time.sleep(30))
     started = time.monotonic()
     with pytest.raises(UsageError, match="cannot reach the Hugging Face hub") as err:
