@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from kvtier.config import Settings
+    from kvtier.tiers.shared import SharedConfig
 
 __all__ = ["TierEngine"]
 
@@ -45,6 +46,8 @@ class TierEngine:
         cold_codec: str = "none",
         catalog: bool = True,
         rank: int = 0,
+        shared: "SharedConfig | None" = None,
+        box: str | None = None,
     ):
         # with tensor parallelism (``fingerprint.shards`` > 1) this is one rank's engine: the manager
         # plans for the whole engine, the mover moves (and its files carry) the rank's own shard
@@ -65,7 +68,19 @@ class TierEngine:
         self.arena = DramArena.for_allocator(self.manager.slots)
         adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
         shard = fingerprint.for_rank(rank) if fingerprint.shards > 1 else fingerprint
-        self.mover = Mover(shard, self.arena, self.nvme, adapter, kv_layers, rank=rank, shards=fingerprint.shards)
+        self.shared = None  # the shared tier (another box's blocks, and this one's for them)
+        self.box = box
+        shared_kwargs = {}
+        if shared is not None:
+            from kvtier.codecs import resolve_codec
+            from kvtier.tiers.shared import SharedStore
+
+            self.shared = SharedStore(shared, rank)
+            self.manager.publish_sessions = True
+            shared_kwargs = dict(shared=self.shared, shared_policy=shared.policy,
+                                 shared_codec=resolve_codec(shared.codec, fingerprint.geometry, "shared"))
+        self.mover = Mover(shard, self.arena, self.nvme, adapter, kv_layers, rank=rank, shards=fingerprint.shards,
+                           **shared_kwargs)
 
     @classmethod
     def from_settings(cls, fingerprint: ModelFingerprint, settings: "Settings", **kwargs) -> "TierEngine":
@@ -121,6 +136,41 @@ class TierEngine:
             return 0
         return min(result.failed) if result.failed else len(job.moves)
 
+    # ---- the shared tier ------------------------------------------------------------------------
+    def fetch(self, namespace: bytes, keys: Sequence[bytes], tier: Tier = Tier.DRAM) -> int:
+        """Bring the longest prefix of ``keys`` that the shared store holds (beyond what this engine
+        holds) into DRAM (or NVMe); returns the blocks fetched. A store that is down fetches nothing."""
+        from kvtier.tiers.shared import SharedUnavailable
+
+        if self.shared is None:
+            return 0
+        have = len(self.manager.index.lookup(namespace, keys))
+        try:
+            sizes = self.shared.lengths(namespace, keys[have:], self.fingerprint.shards)
+        except SharedUnavailable:
+            return 0
+        found = next((i for i, size in enumerate(sizes) if not size), len(sizes))
+        job = self.manager.prepare_fetch(namespace, keys[have : have + found], sizes[:found], tier, start=have)
+        result = self.execute(job)
+        if job is None or result is None:
+            return 0
+        return len(job.moves) - len(self.manager._failed_positions(job, result))
+
+    def publish(self, timeout: float = 30.0) -> int:
+        """Wait for the blocks offered to the shared store, then publish the changed sessions'
+        entries; returns the entries published (0 when the store is down)."""
+        from kvtier.tiers.shared import SharedUnavailable
+
+        if self.shared is None or self.mover.publisher is None:
+            return 0
+        self.mover.publisher.drain(timeout)
+        entries = self.manager.shared_batch(self.box)
+        try:
+            return self.shared.publish_sessions(self.fingerprint.digest, entries)
+        except SharedUnavailable:
+            self.manager.requeue_shared(e["session_id"] for e in entries)
+            return 0
+
     # ---- operator actions ---------------------------------------------------------------------
     def pin(self, session_id: str, tier: Tier = Tier.DRAM) -> None:
         self.execute(self.manager.pin(session_id, tier))
@@ -169,3 +219,5 @@ class TierEngine:
             self.catalog.close()
         if self.nvme is not None:
             self.nvme.close()
+        if self.shared is not None:
+            self.shared.close()

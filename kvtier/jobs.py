@@ -21,6 +21,7 @@ class JobKind(str, Enum):
     DROP = "drop"  # delete NVMe copies
     SNAPSHOT = "snapshot"  # DRAM/NVMe -> snapshot file
     RESTORE = "restore"  # snapshot file -> DRAM or NVMe
+    FETCH = "fetch"  # shared store (another box's blocks) -> DRAM or NVMe
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class BlockMove:
     reserved: int = 0  # NVMe bytes the manager reserved for this move's file
     device_block: int = -1  # vLLM block id in HBM for stores and loads
     from_nvme: bool = False  # loads: read from NVMe into dram_slot first
+    from_shared: bool = False  # fetches: read from the shared store
     to_nvme: bool = False  # restores: write straight to NVMe instead of DRAM
     durable: bool = False  # stores: the worker writes the block behind to NVMe at once (pinned sessions)
     position: int = -1  # restores: the block's position in the snapshot file
@@ -78,6 +80,7 @@ class JobResult:
     disk_free: int | None = None  # bytes free on the NVMe disk after the job's writes
     written_behind: list[tuple[bytes, bytes, int, str]] | None = None  # write-behind reports: blocks written
     disk_ok: bool = True  # write-behind reports: the last write or probe succeeded
+    shared: dict | None = None  # the worker's shared-tier report: its client's state and counters
 
     def merge(self, other: "JobResult") -> "JobResult":
         """Fold another rank's report of the same job into this one: a move failed if it failed on

@@ -103,6 +103,8 @@ class TierManager(SessionOps):
         self._catalog_dirty: set[str] = set()  # sessions changed since the last sync_catalog
         self._catalog_gone: set[str] = set()  # sessions dropped since then
         self._catalog_order = threading.Lock()  # one batch copied and written at a time
+        self.publish_sessions = False  # a shared tier is on: changed sessions are published (shared_batch)
+        self._shared_dirty: set[str] = set()
         if catalog is not None:
             self._read_catalog(catalog)
 
@@ -178,7 +180,7 @@ class TierManager(SessionOps):
                 self._record_tokens(session, token_ids, extends=grows)
         session.num_tokens = max(num_tokens, len(session.keys) * self.geometry.block_tokens)
         session.last_use = time.time()
-        self._catalog_dirty.add(session_id)
+        self._mark_changed(session_id)
         rows = self.session_row_array(session)
         if len(rows):  # every stored block of the session is on a prefix at least this long
             reach = self.index.col["reach"]
@@ -228,6 +230,33 @@ class TierManager(SessionOps):
             self.warnings["catalog"] = message
         self.counters["catalog_sessions_at_start"] = len(self.sessions)
         self.counters["catalog_start_ms"] = int((time.perf_counter() - started) * 1000)
+
+    def _mark_changed(self, session_id: str) -> None:
+        self._catalog_dirty.add(session_id)
+        if self.publish_sessions:
+            self._shared_dirty.add(session_id)
+
+    def shared_batch(self, box: str | None = None) -> list[dict]:
+        """Entries for the shared store of the sessions changed since the last call (call under the
+        engine's lock): what another box needs to list and restore them. ``requeue_shared`` puts
+        back the ids of a batch that could not be published."""
+        dirty, self._shared_dirty = self._shared_dirty, set()
+        entries = []
+        for session_id in sorted(dirty):
+            session = self.sessions.get(session_id)
+            if session is None or not session.keys:
+                continue
+            tokens = self.session_tokens(session)
+            if tokens is None or len(tokens) < len(session.keys) * self.geometry.block_tokens:
+                continue  # without its token ids another box could not check its keys
+            entries.append({"session_id": session_id, "namespace": session.namespace, "keys": list(session.keys),
+                            "token_ids": tokens, "num_tokens": int(session.num_tokens),
+                            "pinned": None if session.pinned is None else Tier(session.pinned).name.lower(),
+                            "box": box, "last_use": float(session.last_use), "key_scheme": self.key_scheme})
+        return entries
+
+    def requeue_shared(self, session_ids: Iterable[str]) -> None:
+        self._shared_dirty.update(session_ids)
 
     def catalog_batch(self) -> tuple[list, list[str]]:
         """The catalog rows of the sessions changed since the last call (call under the engine's
@@ -702,6 +731,7 @@ class TierManager(SessionOps):
             JobKind.DROP: lambda j, r: None,
             JobKind.SNAPSHOT: self._complete_snapshot,
             JobKind.RESTORE: self._complete_restore,
+            JobKind.FETCH: self._complete_restore,
         }[job.kind]
         handler(job, result)
         self.counters[f"jobs_{job.kind.value}_{'ok' if result.ok else 'failed'}"] += 1

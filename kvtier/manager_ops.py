@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class SessionOps:
                 )
         session.pinned = tier
         self._recompute_pins(rows)
-        self._catalog_dirty.add(session_id)
+        self._mark_changed(session_id)
         flush = self.flush(session_id) if self.nvme_capacity else None
         if not to_promote:
             return flush
@@ -62,7 +62,7 @@ class SessionOps:
         session = self.session(session_id)
         session.pinned = None
         self._recompute_pins(self.session_rows(session))
-        self._catalog_dirty.add(session_id)
+        self._mark_changed(session_id)
 
     def _recompute_pins(self: "TierManager", rows: list[int]) -> None:
         """A block's pin is the hottest tier of any pinned session that contains it."""
@@ -241,27 +241,7 @@ class SessionOps:
                     f"rank-{rank} shard {sibling} is missing",
                     hint="copy every <snapshot>.rank<N> file along with the snapshot", path=str(info.path))
         namespace = info.namespace  # checked equal to this engine's own by trusted_keys
-        moves, drops = [], []
-        for position, entry in enumerate(info.blocks):
-            if self.index.row_of(namespace, keys[position]) is not None:
-                continue
-            fits = entry.nbytes <= self.slots.slot_bytes
-            slot = self._allocate_slot() if tier == Tier.DRAM and (fits or not self.nvme_capacity) else None
-            to_nvme = slot is None
-            to_codec = self.warm_codec if not to_nvme and not fits else ""  # re-encoded to fit a slot
-            size = 0
-            if to_nvme:
-                size = file_bytes_for(entry.nbytes)
-                if not self.nvme_capacity or not self._make_nvme_room(size, drops):
-                    break
-                self._nvme_used += size
-            first = position == 0
-            flags = PENDING | (IN_NVME if to_nvme else IN_DRAM) | (FIRST if first else 0)
-            row = self.index.add(namespace, keys[position], flags)
-            self.index.col["dram_slot"][row] = -1 if to_nvme else slot
-            moves.append(self._move(row, dram_slot=-1 if to_nvme else slot, nbytes=entry.nbytes, codec=info.codec,
-                                    to_nvme=to_nvme, position=position, first=first, to_codec=to_codec,
-                                    reserved=size))
+        moves, drops = self._plan_incoming(namespace, keys, [entry.nbytes for entry in info.blocks], info.codec, tier)
         self.record_session(info.session_id, namespace, keys, info.num_tokens, token_ids=info.token_ids or None)
         if not moves and not drops:
             return None
@@ -269,6 +249,45 @@ class SessionOps:
         # rank 0's; the worker checks its own shard before reading it)
         return self._new_job(JobKind.RESTORE, moves=moves, drops=drops, session_id=info.session_id,
                              path=str(info.path), header={"require_signed": require_signed})
+
+    def _plan_incoming(self: "TierManager", namespace: bytes, keys: Sequence[bytes], sizes: Sequence[int],
+                       codec: str, tier: Tier, start: int = 0, shared: bool = False) -> tuple[list, list]:
+        """Moves bringing blocks this engine lacks into DRAM (overflow: NVMe) or NVMe, their rows
+        added PENDING (a snapshot's or the shared store's: ``shared``); stops where neither has room.
+        ``start``: the position of ``keys[0]`` in its sequence."""
+        moves, drops = [], []
+        for position, (key, nbytes) in enumerate(zip(keys, sizes)):
+            if self.index.row_of(namespace, key) is not None:
+                continue
+            fits = nbytes <= self.slots.slot_bytes
+            slot = self._allocate_slot() if tier == Tier.DRAM and (fits or not self.nvme_capacity) else None
+            to_nvme = slot is None
+            to_codec = self.warm_codec if not to_nvme and not fits else ""  # re-encoded to fit a slot
+            size = 0
+            if to_nvme:
+                size = file_bytes_for(nbytes)
+                if not self.nvme_capacity or not self._make_nvme_room(size, drops):
+                    break
+                self._nvme_used += size
+            first = start + position == 0
+            flags = PENDING | (IN_NVME if to_nvme else IN_DRAM) | (FIRST if first else 0)
+            row = self.index.add(namespace, key, flags)
+            self.index.col["dram_slot"][row] = -1 if to_nvme else slot
+            moves.append(self._move(row, dram_slot=-1 if to_nvme else slot, nbytes=nbytes, codec=codec,
+                                    to_nvme=to_nvme, position=position, first=first, to_codec=to_codec,
+                                    reserved=size, from_shared=shared))
+        return moves, drops
+
+    def prepare_fetch(self: "TierManager", namespace: bytes, keys: Sequence[bytes], sizes: Sequence[int],
+                      tier: Tier = Tier.DRAM, start: int = 0, session_id: str | None = None) -> Job | None:
+        """A FETCH job bringing blocks another box published in the shared store into DRAM (overflow:
+        NVMe) or NVMe. ``keys`` are this engine's own (a lookup of a request's prefix, or recomputed
+        from a published session's token ids); ``sizes`` their payload bytes as stored there. The
+        worker verifies every value (header, signature, checksum) before it counts."""
+        moves, drops = self._plan_incoming(namespace, keys, sizes, "", tier, start=start, shared=True)
+        if not moves and not drops:
+            return None
+        return self._new_job(JobKind.FETCH, moves=moves, drops=drops, session_id=session_id)
 
     def _complete_restore(self: "TierManager", job: Job, result: JobResult) -> None:
         col = self.index.col
@@ -293,7 +312,7 @@ class SessionOps:
                 col["dram_codec"][row] = self.index.codec_id(move.codec)
                 col["dirty_since"][row] = self.index.now()
             self.policies[tier].on_insert(row, (move.namespace, move.key))
-            self.counters["restored_blocks"] += 1
+            self.counters["fetched_blocks" if job.kind == JobKind.FETCH else "restored_blocks"] += 1
 
     # ---- views --------------------------------------------------------------------------------
     def session_info(self: "TierManager", session_id: str) -> dict[str, Any]:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.layout import LayoutAdapter, ModelFingerprint
     from kvtier.tiers.dram import DramArena
     from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.shared import SharedStore
 
 __all__ = ["Mover"]
 
@@ -55,6 +56,9 @@ class Mover:
         threads: int = 2,
         rank: int = 0,
         shards: int = 1,
+        shared: "SharedStore | None" = None,
+        shared_policy: str = "write-through",
+        shared_codec: str = "none",
     ):
         import torch
 
@@ -97,7 +101,14 @@ class Mover:
             JobKind.DROP: self._drop,
             JobKind.SNAPSHOT: self._snapshot,
             JobKind.RESTORE: self._restore,
+            JobKind.FETCH: self._fetch,
         }
+        self.shared = shared  # the shared store (kvtier.tiers.shared), or None
+        self.publisher = None
+        if shared is not None:
+            from kvtier.tiers.publish import Publisher
+
+            self.publisher = Publisher(self, shared, shared_policy, shared_codec)
 
     # ---- running jobs -------------------------------------------------------------------------
     def submit(self, job: Job, on_done: Callable[[Job, JobResult], None] | None = None) -> Future:
@@ -191,6 +202,8 @@ class Mover:
                 on_done(job, result)
             if post:
                 self._results.put(result)
+            if self.publisher is not None:
+                self.publisher.stored(job.moves, result.failed)
             start = end
 
     def _await_slots(self, slots: Sequence[int]) -> None:
@@ -256,6 +269,8 @@ class Mover:
     def close(self) -> None:
         self._copy.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        if self.publisher is not None:
+            self.publisher.close()
 
     # ---- HBM <-> DRAM -------------------------------------------------------------------------
     def _staging(self, n: int) -> "torch.Tensor":
@@ -373,6 +388,9 @@ class Mover:
             with self._lock:
                 self.link_bytes["dram->nvme"] += move.nbytes
             written.append((move.namespace, move.key, move.nbytes, move.codec))
+        if self.publisher is not None and written:
+            done = {(namespace, key) for namespace, key, _n, _c in written}
+            self.publisher.went_cold([m for _s, _o, m, _p in batch if (m.namespace, m.key) in done])
         if error:
             self.disk_failing, self.disk_failed_at = True, time.monotonic()
         elif written:
@@ -556,6 +574,8 @@ class Mover:
             for i, move in enumerate(job.moves):
                 if i not in failed:
                     self.dirty.pop(move.dram_slot, None)
+        if self.publisher is not None:
+            self.publisher.went_cold([m for i, m in enumerate(job.moves) if i not in failed])
         if self.take_recreated():
             result.nvme_recreated = True  # the directory had vanished: what it held is gone
         result.disk_free = store.free_bytes()
@@ -716,6 +736,49 @@ class Mover:
         flush()
         self._collect_writes(outcomes, [job.moves[i] for i in written], result, "snapshot->nvme")
         result.failed = [written[k] for k in result.failed]
+
+    def _fetch(self, job: Job, result: JobResult) -> None:
+        """Blocks from the shared store into their DRAM slots (or NVMe records): every value is
+        verified (header, signature, checksum) by the store before it counts; a missing or refused
+        one fails its move, and the manager forgets its row."""
+        if self.shared is None:
+            raise KvtierError("no shared tier is configured")
+        moves = list(enumerate(job.moves))
+        targets = {i: self.arena.slot(m.dram_slot) if m.dram_slot >= 0 and not m.to_codec
+                   else self._take_staging(max(self.arena.slot_bytes, m.nbytes)) for i, m in moves}
+        outcomes = self.shared.read_batch([(m.namespace, m.key, targets[i]) for i, m in moves], self.fingerprint.digest)
+        to_nvme: list[int] = []
+        for (i, move), outcome in zip(moves, outcomes):
+            if isinstance(outcome, BaseException):
+                result.failed.append(i)
+                result.error = result.error or str(outcome)
+                continue
+            nbytes, codec = outcome
+            move.nbytes, move.codec = nbytes, codec
+            self._count("shared->dram" if not move.to_nvme else "shared->nvme", nbytes, result)
+            if move.to_nvme:
+                to_nvme.append(i)
+                continue
+            if move.to_codec and move.to_codec != codec:  # too big for a warm slot: re-encode to fit
+                move.nbytes = transcode(targets[i][:nbytes], codec, move.to_codec, self.fingerprint.geometry,
+                                        self.arena.slot(move.dram_slot), first=move.first or None)
+                move.codec = move.to_codec
+            elif move.to_codec:
+                self.arena.slot(move.dram_slot, nbytes).copy_(targets[i][:nbytes])
+            self._note(result, i, move)
+            self._own(move)
+        if to_nvme:
+            store = self._need_store()
+            outcomes = store.write_batch([(job.moves[i].namespace, job.moves[i].key, targets[i][: job.moves[i].nbytes],
+                                           job.moves[i].codec) for i in to_nvme], self.fingerprint.digest)
+            for i, outcome in zip(to_nvme, outcomes):
+                if isinstance(outcome, BaseException):
+                    result.failed.append(i)
+                    result.error = result.error or str(outcome)
+                else:
+                    self._note(result, i, job.moves[i])
+        result.failed.sort()
+        self._give_staging({i: t for i, t in targets.items()}, job)
 
     # ---- CUDA plumbing ------------------------------------------------------------------------
     def _on_stream(self):
