@@ -52,7 +52,7 @@ _SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?|b)?$", re.I
 _ALIASES = {"dram": "dram_bytes", "nvme": "nvme_bytes"}
 _SIZE_FIELDS = ("dram_bytes", "nvme_bytes")
 _PATH_FIELDS = ("nvme_dir", "snapshot_dir")
-_ENUMS = {"policy": POLICIES, "direct_io": DIRECT_IO_MODES}
+_ENUMS = {"policy": POLICIES, "direct_io": DIRECT_IO_MODES, "shared_policy": ("write-through", "demote")}
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> str:
@@ -80,6 +80,12 @@ class Settings:
     link_gbps: str = ""  # caps on measured link rates for the cost model, e.g. "pcie=3.9,nvme=1.5" (GB/s)
     write_behind: str = "10"  # seconds a DRAM-only block may wait for its NVMe copy, or "off"
     stop_timeout: float = 60.0  # kvtier serve: seconds the flush on stop may take before vLLM stops anyway
+    shared: str = ""  # the shared tier: redis://host:port/db, rediss://, unix:///path ("" = none)
+    shared_policy: str = "write-through"  # blocks go to the shared tier when stored (or "demote": when cold)
+    shared_codec: str = "none+zstd"  # codec of blocks in the shared tier (compressed: the network is cheaper)
+    shared_ttl: float = 86400.0  # seconds a published block or session lives in the store
+    shared_auth_file: str = ""  # file (mode 600) with the store's password (or user name, then password)
+    shared_ca_file: str = ""  # CA certificate of a rediss:// store
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -182,9 +188,20 @@ def validate_settings(settings: Settings, sources: Mapping[str, str] | None = No
             fail(name, "must not be empty", f"set {name} or leave it unset for the default")
     from kvtier.codecs import CODEC_HELP, SPEC_RE
 
-    for name in ("warm_codec", "cold_codec"):
+    for name in ("warm_codec", "cold_codec", "shared_codec"):
         if not SPEC_RE.match(str(getattr(settings, name)).strip().lower()):
             fail(name, "unknown codec", f"codecs: {CODEC_HELP}")
+    if not 1 <= settings.shared_ttl <= 365 * 86400:
+        fail("shared_ttl", "must be between 1 second and a year", "e.g. shared_ttl = 86400 (a day)")
+    if settings.shared:
+        from kvtier.errors import UsageError as _Usage
+        from kvtier.tiers.shared import parse_shared_url
+
+        try:
+            parse_shared_url(settings.shared)
+        except _Usage as exc:  # not echoing the value: it may hold a password
+            raise ConfigError(f"invalid shared (from {sources.get('shared', 'default')}): {exc.message}",
+                              hint=exc.hint) from None
     from kvtier.costmodel import parse_link_caps
     from kvtier.errors import UsageError
 

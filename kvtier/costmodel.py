@@ -195,6 +195,7 @@ class CostModel:
         self._loads: list[tuple[float, float]] = []  # (bytes, seconds) of DRAM-only load jobs
         self.load_fit: tuple[float, float] | None = None  # (job latency s, s per byte), from ``_loads``
         self._break_even: dict[bool, tuple[object, int | None]] = {}
+        self.shared_link: tuple[float, float] | None = None  # the shared store: (bytes/s, round trip s)
 
     # ---- learning from the engine --------------------------------------------------------------
     def observe_prefill(self, start: int, tokens: int, seconds: float, refit_every: int = 8) -> None:
@@ -238,7 +239,24 @@ class CostModel:
         self.rates = rates
         self._break_even.clear()
 
+    def set_shared_link(self, bps: float, rtt_s: float) -> None:
+        """The shared store's measured link (``SharedStore.measure``)."""
+        self.shared_link = (float(bps), float(rtt_s))
+
     # ---- predictions ---------------------------------------------------------------------------
+    def fetch_seconds(self, blocks: int, nbytes: int) -> float:
+        """Fetching ``blocks`` blocks (``nbytes`` as stored) from the shared store into DRAM, then
+        loading them (one round trip: one pipeline)."""
+        bps, rtt = self.shared_link or (1.25 * GB, 500e-6)  # unmeasured: 10 GbE
+        return rtt + nbytes / bps + float(self.load_seconds(blocks, 0))
+
+    def fetch_beats_recompute(self, start_tokens: int, blocks: int, nbytes: int) -> tuple[bool, float, float | None]:
+        """(fetch?, predicted fetch s, predicted recompute s) for ``blocks`` blocks found in the
+        shared store after ``start_tokens`` tokens. Fetches while no prefill model is fitted."""
+        fetch = self.fetch_seconds(blocks, nbytes)
+        recompute = self.recompute_seconds(start_tokens, blocks * self.block_tokens)
+        return recompute is None or fetch < recompute, fetch, recompute
+
     def load_seconds(self, dram_blocks: int | np.ndarray, nvme_blocks: int | np.ndarray) -> float | np.ndarray:
         rates = self.rates
         dram = np.asarray(dram_blocks, dtype=np.float64) * self.dram_block_bytes
@@ -318,7 +336,9 @@ class CostModel:
                 "prefill": None if self.prefill is None else {
                     "overhead_ms": self.prefill.overhead_s * 1e3, "per_token_us": self.prefill.per_token_s * 1e6,
                     "attention_ns_per_token_pair": self.prefill.attention_s * 1e9, "points": self.prefill.points},
-                "break_even_tokens": {"dram": self.break_even_tokens(False), "nvme": self.break_even_tokens(True)}}
+                "break_even_tokens": {"dram": self.break_even_tokens(False), "nvme": self.break_even_tokens(True)},
+                "shared": None if self.shared_link is None else {
+                    "gbps": self.shared_link[0] / GB, "rtt_ms": self.shared_link[1] * 1e3}}
 
 
 # ---- measurements --------------------------------------------------------------------------------

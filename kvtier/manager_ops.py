@@ -212,6 +212,32 @@ class SessionOps:
                                  "restore only snapshots taken by a kvtier server; take a new one")
         return keys
 
+    def shared_entry_keys(self: "TierManager", entry: dict, cache_salt: str | None = None) -> tuple[bytes, list[bytes]]:
+        """(namespace, block keys) for a session another box published, the keys recomputed from its
+        token ids with this engine's hash -- as for a snapshot, nothing the store says decides where
+        KV goes. An entry of another tenant or model, without the token ids of its blocks, or whose
+        keys disagree with the recomputed ones under the same hash scheme, is refused."""
+        from kvtier.index import namespace_of
+
+        session_id = validate_session_id(str(entry.get("session_id", "")))
+        namespace = namespace_of(self.fingerprint.digest, cache_salt)
+        if entry.get("namespace") != namespace:
+            raise FingerprintMismatchError(
+                f"shared session {session_id} was published under another namespace (another tenant's cache "
+                "salt, or another model revision)", hint="restore it with the --cache-salt its requests carry")
+        bt = self.geometry.block_tokens
+        blocks = int(entry.get("blocks") or 0)
+        tokens = list(entry.get("token_ids") or [])
+        if len(tokens) < blocks * bt:
+            raise FingerprintMismatchError(f"shared session {session_id}: its entry holds {len(tokens)} token ids, "
+                                           f"its {blocks} blocks need {blocks * bt}",
+                                           hint="the box that published it runs an older kvtier; serve the turn there")
+        keys = self.block_keys(tokens[: blocks * bt], cache_salt)
+        if entry.get("key_scheme") == self.key_scheme and list(entry.get("keys") or []) != keys:
+            raise FingerprintMismatchError(f"shared session {session_id}: its keys are not the hash of its tokens "
+                                           "(forged or damaged entry)", hint="it is ignored; its next turn recomputes")
+        return namespace, keys
+
     def prepare_restore(self: "TierManager", info: "SnapshotInfo", tier: Tier = Tier.DRAM,
                         cache_salt: str | None = None, require_signed: bool = False) -> Job | None:
         """A RESTORE job bringing a snapshot's missing blocks into DRAM (overflow: NVMe) or NVMe.

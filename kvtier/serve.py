@@ -98,6 +98,10 @@ def build_kv_transfer_config(settings: Settings, model_id: str, api_url: str | N
             "cold_codec": settings.cold_codec,
             "link_gbps": settings.link_gbps,
             "write_behind": settings.write_behind,
+            **({"shared": settings.shared, "shared_policy": settings.shared_policy,
+                "shared_codec": settings.shared_codec, "shared_ttl_s": int(settings.shared_ttl),
+                "shared_auth_file": settings.shared_auth_file or None,
+                "shared_ca_file": settings.shared_ca_file or None} if settings.shared else {}),
             "model_id": model_id,
             **admin,
         },
@@ -223,7 +227,31 @@ def preflight(
         _check_port(host, port)
     if admin_socket is not None:
         check_admin_socket(admin_socket)
+    warnings += check_shared(settings)
     return warnings
+
+
+def check_shared(settings: Settings) -> list[str]:
+    """The shared tier's settings (credentials readable, a policy that has what it needs), and one
+    round trip to the store: a store that is down or refuses the credentials is a warning, not a
+    refusal -- the server serves without it and picks it up when it answers."""
+    if not settings.shared:
+        return []
+    from kvtier.tiers.shared import SharedConfig, SharedStore, SharedUnavailable, parse_shared_url
+
+    if settings.shared_policy == "demote" and not settings.nvme_bytes:
+        raise ConfigError("--shared-policy demote publishes blocks when they get their NVMe copy, and this server "
+                          "has no NVMe tier", hint="use --shared-policy write-through, or give it --nvme-dir")
+    store = SharedStore(SharedConfig(parse_shared_url(settings.shared), settings.shared_policy,
+                                     int(settings.shared_ttl), 2.0, settings.shared_codec,
+                                     settings.shared_auth_file or None, settings.shared_ca_file or None))
+    try:
+        store.ping()
+    except SharedUnavailable as exc:
+        return [f"{exc}; serving without the shared tier until it answers"]
+    finally:
+        store.close()
+    return []
 
 
 def _check_instance(name: str, port: int | None, running: list) -> None:
@@ -245,6 +273,7 @@ def _check_codecs(settings: Settings, kv_cache_dtype: str | None) -> None:
     probe = KVGeometry(1, 1, 64, 16, "uint8" if itemsize_one else "bfloat16")
     resolve_codec(settings.warm_codec, probe, "warm")
     resolve_codec(settings.cold_codec, probe, "cold")
+    resolve_codec(settings.shared_codec, probe, "shared")
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,6 +121,18 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         if catalog:
             typer.echo(f"session catalog: {catalog['path']} ({catalog['sessions_at_start']:,} sessions read back "
                        f"at start in {catalog['start_ms']} ms)")
+        shared = doc.get("shared")
+        if shared:
+            link = shared.get("link")
+            server = shared.get("server") or {}
+            typer.echo(f"shared tier: {shared['url']}{' (cluster)' if shared.get('cluster') else ''} {shared['state']}, "
+                       f"{shared['policy']}, codec {shared['codec']}; "
+                       + (f"link {link['gbps']:.2f} GB/s, {link['rtt_ms']:.2f} ms round trip; " if link else "")
+                       + (f"store holds {human_bytes(server.get('used_memory', 0))}"
+                          + (f" of {human_bytes(server['maxmemory'])}" if server.get("maxmemory") else "") + "; "
+                          if server else "")
+                       + f"published {shared['published_blocks']:,} blocks, fetched {shared['fetched_blocks']:,}, "
+                         f"rejected {shared['rejected']:,}")
         for tier, warning in doc.get("warnings", {}).items():
             typer.echo(f"warning ({tier}): {warning}", err=True)
 
@@ -130,11 +142,23 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         sort: str = typer.Option("last_use", "--sort", help="last_use, tokens, bytes, session_id or state."),
         state: Optional[str] = typer.Option(None, "--state", help="Only hot, warm, cold, pinned or gone."),
         limit: int = typer.Option(50, "--limit", min=1, max=100_000, help="At most this many rows."),
+        shared: bool = typer.Option(False, "--shared", help="The sessions the boxes sharing the store published "
+                                                            "(restore one here with kvtier restore --shared)."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
         socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
         _instance: Optional[str] = INSTANCE_OPTION,
     ) -> None:
         """Sessions with their state and bytes per tier."""
+        if shared:
+            doc = _client(socket).get("/v1/shared/sessions", limit=limit)
+            if json_out:
+                emit_json(doc)
+                return
+            rows = [(s["session_id"], s.get("box") or "-", f"{s['num_tokens']:,}", s["blocks"], s.get("pinned") or "-",
+                     "yes" if s.get("here") else "no", _ago(s["published"])) for s in doc["sessions"]]
+            print_table(f"shared sessions in {doc['url']} ({len(rows)})",
+                        ["session", "box", "tokens", "blocks", "pinned", "here", "published"], rows)
+            return
         doc = _client(socket).get("/v1/sessions", sort=sort, state=state, limit=limit)
         if json_out:
             emit_json(doc)
@@ -254,7 +278,10 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
 
     @app.command("restore")
     @handle_errors
-    def restore(file: str = typer.Argument(..., help="A .kvsnap file (opened here, handed to the server)."),
+    def restore(file: str = typer.Argument(..., help="A .kvsnap file (opened here, handed to the server), or "
+                                                     "with --shared a session id."),
+                shared: bool = typer.Option(False, "--shared", help="Pull the session another box published in the "
+                                                                    "shared store (kvtier sessions --shared)."),
                 tier: str = typer.Option("dram", "--tier", help="dram or nvme."),
                 cache_salt: Optional[str] = typer.Option(
                     None, "--cache-salt", help="The tenant's cache salt, when its requests carry one."),
@@ -269,11 +296,15 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         The server recomputes every block key from the file's token ids: a forged file is refused."""
         from pathlib import Path
 
-        path = Path(file).expanduser()
         client = _client(socket)
         body: dict = {"tier": tier}
         if cache_salt:
             body["cache_salt"] = cache_salt
+        if shared:  # keys recomputed from the published token ids; values verified one by one
+            job = client.post("/v1/shared/restore", {**body, "session": file})
+            _finish(client, job, wait, json_out, f"restore {file} from the shared tier")
+            return
+        path = Path(file).expanduser()
         if trust_unsigned:
             body["trust_unsigned"] = True
         sharded = Path(f"{path}.rank1").exists()  # tensor parallel: one file per rank, read by name

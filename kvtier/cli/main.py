@@ -97,6 +97,21 @@ def serve(
         None, "--write-behind", help="Seconds a DRAM-only block waits for its NVMe copy (default 10), or off."),
     stop_timeout: Optional[float] = typer.Option(
         None, "--stop-timeout", help="Seconds the flush on Ctrl-C/SIGTERM may take before vLLM stops (default 60)."),
+    shared: Optional[str] = typer.Option(
+        None, "--shared", help="Shared tier across boxes: a Valkey/Redis URL (redis://host:6379/0, rediss://, "
+                               "unix:///path; a cluster is detected). Credentials: --shared-auth-file or "
+                               "$KVTIER_SHARED_PASSWORD, never the URL."),
+    shared_policy: Optional[str] = typer.Option(
+        None, "--shared-policy", help="When blocks go to the shared tier: write-through (when stored, default) "
+                                      "or demote (when they get their NVMe copy)."),
+    shared_codec: Optional[str] = typer.Option(
+        None, "--shared-codec", help="Codec of blocks in the shared tier (default none+zstd; fp8 halves the bytes)."),
+    shared_ttl: Optional[float] = typer.Option(
+        None, "--shared-ttl", help="Seconds a published block or session lives in the store (default 86400)."),
+    shared_auth_file: Optional[str] = typer.Option(
+        None, "--shared-auth-file", help="File (mode 600): the store's password, or a user name line then the password."),
+    shared_ca_file: Optional[str] = typer.Option(
+        None, "--shared-ca-file", help="CA certificate of a rediss:// store."),
     demo_size: str = typer.Option("tiny", "--demo-size", help="Demo model size when no MODEL: tiny or mid."),
     admin_tcp: Optional[str] = typer.Option(
         None, "--admin-tcp", help="Also serve the admin API on loopback TCP, e.g. 127.0.0.1:8100; its bearer token "
@@ -127,7 +142,10 @@ def serve(
     settings, _sources = load_settings(flags={"dram": dram, "nvme_dir": nvme_dir, "nvme": nvme, "policy": policy,
                                               "warm_codec": warm_codec, "cold_codec": cold_codec,
                                               "link_gbps": link_gbps, "write_behind": write_behind,
-                                              "stop_timeout": stop_timeout})
+                                              "stop_timeout": stop_timeout, "shared": shared,
+                                              "shared_policy": shared_policy, "shared_codec": shared_codec,
+                                              "shared_ttl": shared_ttl, "shared_auth_file": shared_auth_file,
+                                              "shared_ca_file": shared_ca_file})
     from dataclasses import replace
 
     from kvtier.control.instances import Instance, Registration, valid_name

@@ -38,13 +38,14 @@ def _status(ops: "Ops", **_) -> tuple[int, dict]:
         in_flight = sum(1 for r in ops.jobs.values() if r.state in ("queued", "running"))
         tiers = _tier_view(stats, ops)
         links = ops.link_bytes()
+        shared = ops.shared.status() if ops.shared is not None else None
     return 200, {
         "api": API_VERSION, **ops.info, "uptime_s": time.time() - ops.started,
         "snapshot_dir": str(ops.snapshot_dir) if ops.snapshot_dir else None,
         "fingerprint": stats["fingerprint"], "tiers": tiers,
         "sessions": {state: states[state] for state in STATES}, "jobs_in_flight": in_flight,
         "dirty": stats["dirty"], "catalog": _catalog_view(ops),
-        "warnings": stats["warnings"], "counters": stats["counters"], "links": links,
+        "warnings": stats["warnings"], "counters": stats["counters"], "links": links, "shared": shared,
     }
 
 
@@ -296,6 +297,73 @@ def _costmodel(ops: "Ops", **_) -> tuple[int, dict]:
         return 200, {"available": True, **ops.cost.report()}
 
 
+def _need_shared(ops: "Ops"):
+    if ops.shared is None:
+        raise ApiError(400, "this server has no shared tier", hint="start it with kvtier serve --shared redis://HOST:PORT")
+    return ops.shared
+
+
+def _shared(ops: "Ops", **_) -> tuple[int, dict]:
+    with ops.lock:
+        return 200, {"configured": ops.shared is not None, **(ops.shared.status() if ops.shared is not None else {})}
+
+
+def _shared_sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
+    """What the boxes sharing the store published for this model (one round trip; no lock held)."""
+    from kvtier.tiers.shared import SharedUnavailable
+
+    shared = _need_shared(ops)
+    try:
+        limit = int(query.get("limit", 1000))
+    except ValueError:
+        raise ApiError(400, "limit must be a whole number", hint="e.g. ?limit=100") from None
+    try:
+        entries = shared.store.list_sessions(ops.manager.fingerprint.digest, max(1, min(limit, 100_000)))
+    except SharedUnavailable as exc:
+        raise ApiError(503, str(exc), hint="the shared store is down or refusing us; kvtier status says why") from None
+    with ops.lock:
+        local = ops.manager.sessions
+        for entry in entries:
+            entry["here"] = entry["session_id"] in local
+    return 200, {"url": shared.store.url, "sessions": entries}
+
+
+def _shared_restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
+    """Pull a session another box published: its keys recomputed from its token ids, the blocks the
+    store still holds fetched into DRAM (or NVMe) -- a FETCH job, verified value by value."""
+    from kvtier.errors import NotFoundError
+    from kvtier.tiers.shared import SharedUnavailable
+
+    shared = _need_shared(ops)
+    session = validate_session_id(body.get("session") or "")
+    tier = _tier(body.get("tier", "dram"), "tier", _TIERS)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
+        raise ApiError(400, "cache_salt must be a non-empty string", hint="the salt the tenant's requests carry")
+    manager = ops.manager
+    try:
+        entry = shared.store.session_entry(manager.fingerprint.digest, session)
+        if entry is None:
+            raise NotFoundError(f"no session {session!r} in the shared store {shared.store.url}",
+                                hint="`kvtier sessions --shared` lists what the boxes published (entries expire)")
+        namespace, keys = manager.shared_entry_keys(entry, salt)
+        sizes = shared.store.lengths(namespace, keys, manager.fingerprint.shards)
+    except SharedUnavailable as exc:
+        raise ApiError(503, str(exc), hint="the shared store is down or refusing us; kvtier status says why") from None
+    found = next((i for i, size in enumerate(sizes) if not size), len(sizes))
+    with ops.lock:
+        ops._check_free(session)
+        manager.record_session(session, namespace, keys, int(entry.get("num_tokens") or 0),
+                               token_ids=entry["token_ids"])
+        record = ops._submit("fetch", session, manager.prepare_fetch(namespace, keys[:found], sizes[:found], tier,
+                                                                     session_id=session))
+        record.detail.update({"blocks_published": len(keys), "blocks_in_store": found, "box": entry.get("box")})
+    ops.manager.sync_catalog(ops.lock)
+    if record.state == "queued":
+        ops.wake()
+    return 202, record.to_dict()
+
+
 def _openapi(ops: "Ops", **_) -> tuple[int, dict]:
     return 200, OPENAPI
 
@@ -303,7 +371,8 @@ def _openapi(ops: "Ops", **_) -> tuple[int, dict]:
 _HANDLERS = {"status": _status, "tiers": _tiers, "sessions": _sessions, "session": _session, "jobs": _jobs,
              "job": _job, "pin": _pin, "unpin": _unpin, "evict": _evict, "snapshot": _snapshot,
              "restore": _restore, "flush": _flush, "openapi": _openapi,
-             "costmodel": _costmodel}
+             "costmodel": _costmodel, "shared": _shared, "shared_sessions": _shared_sessions,
+             "shared_restore": _shared_restore}
 
 
 def _op(summary: str, body: dict | None = None, params: tuple = ()) -> dict:
@@ -343,6 +412,10 @@ OPENAPI = {
         "/v1/flush": {"post": _op("Copy DRAM-only blocks (all, or one session's) to NVMe now",
                                   {"session": {"type": "string"}})},
         "/v1/costmodel": {"get": _op("Measured link rates, the fitted prefill model, break-even lengths")},
+        "/v1/shared": {"get": _op("The shared tier: store, state, link, bytes, hits")},
+        "/v1/shared/sessions": {"get": _op("Sessions the boxes sharing the store published (query: limit)")},
+        "/v1/shared/restore": {"post": _op("Fetch a published session's blocks into this box", {
+            "session": {"type": "string"}, "tier": _TIER_ENUM, "cache_salt": {"type": "string"}})},
         "/metrics": {"get": _op("Prometheus metrics")},
     },
 }

@@ -53,7 +53,7 @@ API_VERSION = "v1"
 MAX_BODY = 64 << 10
 SWITCH_INTERVAL_S = 0.001
 SNAPSHOT_SUFFIX = ".kvsnap"
-LINK_KINDS = ("store", "load", "demote", "flush", "promote", "snapshot", "restore")
+LINK_KINDS = ("store", "load", "demote", "flush", "promote", "snapshot", "restore", "fetch")
 _SESSION = r"(?P<session>[^/]+)"
 
 
@@ -89,7 +89,7 @@ class Ops:
 
     def __init__(self, manager, lock: threading.RLock, enqueue: Callable, wake: Callable[[], None] = lambda: None,
                  snapshot_dir: str | os.PathLike | None = None, info: dict | None = None,
-                 hbm: Callable[[], dict] | None = None, cost=None):
+                 hbm: Callable[[], dict] | None = None, cost=None, shared=None):
         self.manager = manager
         self.lock = lock
         self.enqueue = enqueue
@@ -105,6 +105,7 @@ class Ops:
         self.busy: dict[str, int] = {}  # session -> job in flight
         self.latency: dict[str, list[float]] = {}  # job kind -> seconds (recent)
         self.cost = cost  # a kvtier.costmodel.CostModel (the connector's), or None
+        self.shared = shared  # the shared tier's scheduler side (plugins/vllm/shared.SharedLookups), or None
         self.held_fds: dict[int, int] = {}  # job -> a file a client handed over, open until the job ends
         self.hbm = hbm or (lambda: {"used_bytes": None, "blocks": None, "capacity_bytes": None})
 
@@ -321,10 +322,14 @@ _ROUTES: list[tuple[str, re.Pattern, str]] = [
         ("POST", f"/v1/sessions/{_SESSION}/snapshot", "snapshot"),
         ("POST", "/v1/restore", "restore"),
         ("POST", "/v1/flush", "flush"),
+        ("GET", "/v1/shared", "shared"),
+        ("GET", "/v1/shared/sessions", "shared_sessions"),
+        ("POST", "/v1/shared/restore", "shared_restore"),
     ]
 ]
 _BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"path", "fd"},
-                "restore": {"path", "fd", "tier", "cache_salt", "trust_unsigned"}, "flush": {"session"}}
+                "restore": {"path", "fd", "tier", "cache_salt", "trust_unsigned"}, "flush": {"session"},
+                "shared_restore": {"session", "tier", "cache_salt"}}
 
 
 _REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",

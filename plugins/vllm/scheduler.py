@@ -110,6 +110,7 @@ class RequestState:
     lookup: tuple | None = None  # what the last lookup saw: (servable tokens, tokens held, LoadCandidate, decision)
     facts: Any = None  # kvtier.reasons.TurnFacts of its turn (from its first admission)
     turn: Any = None  # kvtier.reasons.TurnRecord: its entry in the session's turn log
+    shared: Any = None  # its shared-store lookup / fetch (kvtier.plugins.vllm.shared.SharedLookups)
 
 
 class KVTierScheduler:
@@ -168,6 +169,14 @@ class KVTierScheduler:
         self._api_url = extra.get("api_url")
         self._served_name = str(extra.get("model_id") or fingerprint.model_id.rpartition("@")[0])
         self._waking = threading.Lock()
+        self.shared = None  # the shared tier's scheduler side: lookups, fetches, session entries
+        from kvtier.tiers.shared import SharedConfig
+
+        shared_config = SharedConfig.from_extra(extra)
+        if shared_config is not None:
+            from kvtier.plugins.vllm.shared import SharedLookups
+
+            self.shared = SharedLookups(self, shared_config, box=str(extra.get("instance") or os.uname().nodename))
         if extra.get("admin_socket"):
             self._start_admin(extra)
         self.catalog_paused = threading.Event()  # `kvtier bench restart`: the same engine with it off
@@ -196,6 +205,8 @@ class KVTierScheduler:
         written blocks behind, so their state (and status's dirty count) comes back."""
         poked_at = 0.0
         while not self._stopping.wait(every_s):
+            if self.shared is not None:
+                self.shared.tick()
             if self.catalog_paused.is_set():
                 continue
             self.manager.sync_catalog(self.lock)
@@ -303,7 +314,7 @@ class KVTierScheduler:
                 "block_tokens": self.block_tokens, "instance": extra.get("instance"),
                 "revision": extra.get("revision"), "commit": extra.get("commit"), "weights": self.fingerprint.weights}
         self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, extra.get("snapshot_dir"), info, hbm=self.hbm_usage,
-                       cost=self.cost)
+                       cost=self.cost, shared=self.shared)
         tcp = None
         if extra.get("admin_tcp"):
             host, _, port = str(extra["admin_tcp"]).rpartition(":")
@@ -367,6 +378,8 @@ class KVTierScheduler:
 
     def shutdown(self) -> None:
         self._stopping.set()
+        if self.shared is not None:
+            self.shared.close()
         if self.admin is not None:
             self.admin.stop()
             self.admin = None
@@ -384,9 +397,11 @@ class KVTierScheduler:
             self.requests[request.request_id] = state
         return state
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvtier can load beyond vLLM's own hit, and True: the load is asynchronous (vLLM
-        holds the request until the workers report it done)."""
+        holds the request until the workers report it done). None: ask again next step -- the
+        shared store is being asked about the rest of the prompt, or its blocks are on their way
+        into DRAM (``SharedLookups``: bounded waits, never a wait on the step itself)."""
         state = self._state(request)
         state.local_tokens = num_computed_tokens  # vLLM's own hit; update_state_after_alloc needs it
         bs = self.block_tokens
@@ -396,6 +411,10 @@ class KVTierScheduler:
         if start >= usable:
             return 0, False
         rows = self.manager.index.lookup(state.namespace, request.block_hashes[:usable])  # no side effects
+        if self.shared is not None and len(rows) < usable:
+            if self.shared.pending(state, request, len(rows), usable):
+                return None, False
+            rows = self.manager.index.lookup(state.namespace, request.block_hashes[:usable])  # fetched ones too
         hit = len(rows) - start
         state.lookup = (usable * bs, len(rows) * bs, None, None)
         if hit <= 0:
@@ -517,6 +536,10 @@ class KVTierScheduler:
 
     def complete(self, results: list) -> None:
         for result in results:
+            if result.job_id < 0 and result.shared is not None:  # a worker's shared-tier report
+                if self.shared is not None:
+                    self.shared.reports[result.rank] = result.shared
+                continue
             if result.job_id < 0 and result.written_behind is not None:  # the worker's own write-behind
                 self.enqueue(self.manager.note_written_behind(self._ranks.written(result), result.error,
                                                               result.nvme_recreated, result.disk_ok,

@@ -69,6 +69,7 @@ class KVTierWorker:
         self.idle_waits = 0  # waits made on steps that ran no forward pass (see get_finished)
         self.mover: Mover | None = None
         self.nvme: NvmeStore | None = None
+        self.shared = None  # this rank's client of the shared store (kvtier.tiers.shared)
         self._results: list[JobResult] = []
         self._load_errors: set[int] = set()
         self._applied = None
@@ -94,7 +95,11 @@ class KVTierWorker:
                                   int(self.extra.get("io_threads", 8)), str(self.extra.get("direct_io", "auto")),
                                   rank=self.rank)
         adapter = adapter_for(layout_name(layers[0]), geometry)
-        self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers, rank=self.rank, shards=self.shards)
+        self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers, rank=self.rank, shards=self.shards,
+                           **self._shared_tier(geometry))
+        if self.mover.publisher is not None:  # its state and counters reach status with the next step
+            self.mover.publisher.on_report = lambda stats: self.mover.post(
+                JobResult(job_id=-1, kind=JobKind.STORE, ok=True, rank=self.rank, shared=stats))
         log.info("kvtier worker rank %d/%d: %d KV layers (%s layout), DRAM arena %d MiB%s", self.rank, self.shards,
                  len(layers), adapter.name, arena.buffer.numel() >> 20, " (pinned)" if arena.pinned else "")
         window = write_behind_seconds(self.extra.get("write_behind", "10")) if self.nvme is not None else None
@@ -102,6 +107,18 @@ class KVTierWorker:
             self._writer = threading.Thread(target=self._write_behind, args=(window,), name="kvtier-write-behind",
                                             daemon=True)
             self._writer.start()
+
+    def _shared_tier(self, geometry) -> dict:
+        """The mover's shared-store arguments (none without ``shared`` in the config): this rank's
+        own client, the publishing policy and the codec blocks travel in."""
+        from kvtier.tiers.shared import SharedConfig, SharedStore
+
+        config = SharedConfig.from_extra(self.extra)
+        if config is None:
+            return {}
+        self.shared = SharedStore(config, rank=self.rank)
+        return {"shared": self.shared, "shared_policy": config.policy,
+                "shared_codec": resolve_codec(config.codec, geometry, "shared")}
 
     def _write_behind(self, window: float) -> None:
         """Every tick, write the blocks that are due (in batches, oldest first); tell the scheduler
@@ -322,3 +339,5 @@ class KVTierWorker:
                 self.mover.write_back(cold)
         if self.nvme is not None:
             self.nvme.close()
+        if self.shared is not None:
+            self.shared.close()
