@@ -30,10 +30,24 @@ def server_binary() -> str:
                            "or `brew install valkey`")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node one at most 55535 whose bus port (+10000) is free too."""
+    if not cluster:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 55535)
+        try:
+            with socket.socket() as one, socket.socket() as bus:
+                one.bind(("127.0.0.1", port))
+                bus.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise KvtierError("no free port pair for a cluster node")
 
 
 class RedisServer:
@@ -43,7 +57,7 @@ class RedisServer:
         """``tls``: (certificate, key, CA) files; the server then listens with TLS only."""
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
+        self.port = port or free_port(cluster)
         self.password, self.unix, self.cluster, self.tls = password, unix, cluster, tls
         self.socket_path = str(self.dir / "redis.sock") if unix else None
         lines = [f"port {0 if tls else self.port}", "bind 127.0.0.1", f"dir {self.dir}", "save \"\"",

@@ -99,12 +99,16 @@ def parse_shared_url(url: str) -> str:
     db = parts.path.strip("/") if scheme != "unix" else ""
     if db and not db.isdigit():
         raise UsageError(f"invalid --shared URL {url!r}: database {db!r} is not a number", hint=hint)
+    if scheme == "unix":  # urlunsplit would drop the "//" of an empty host
+        return f"unix://{parts.path}" + (f"?{parts.query}" if parts.query else "")
     return urlunsplit((scheme, parts.netloc, parts.path, parts.query, ""))
 
 
 def display_url(url: str) -> str:
     """The URL without any user name (what status and logs show)."""
     parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"unix://{parts.path}"
     netloc = parts.netloc.rpartition("@")[2]
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
@@ -201,10 +205,13 @@ class SharedStore:
 
         timeout = self.config.timeout_s
         common = dict(username=self.username, password=self.password, socket_timeout=timeout,
-                      socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0), health_check_interval=0)
+                      socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0), health_check_interval=0,
+                      socket_read_size=1 << 20)  # blocks are large: fewer, larger recv()s
         if self.config.url.startswith("rediss://") and self.config.ca_file:
             common["ssl_ca_certs"] = self.config.ca_file
-        client = redis.Redis.from_url(self.config.url, **common)
+        # values go out as (header, payload) without being joined or copied (ZeroCopyPacker)
+        client = redis.Redis(connection_pool=redis.ConnectionPool.from_url(
+            self.config.url, command_packer=ZeroCopyPacker(), **common))
         if not self.config.url.startswith("unix://"):
             try:
                 enabled = str(client.info("cluster").get("cluster_enabled", 0)) == "1"
@@ -214,7 +221,8 @@ class SharedStore:
                 from redis.cluster import RedisCluster
 
                 client.close()
-                client = RedisCluster.from_url(self.config.url, cluster_error_retry_attempts=1, **common)
+                client = RedisCluster.from_url(self.config.url, cluster_error_retry_attempts=1,
+                                               connection_class=_packed_connection(self.config.url), **common)
                 self.cluster = True
         return client
 
@@ -252,7 +260,7 @@ class SharedStore:
             problem = "refusing our credentials (check --shared-auth-file / KVTIER_SHARED_PASSWORD)"
         elif isinstance(exc, redis.TimeoutError) or "timed out" in str(exc).lower():
             problem = f"not answering within {self.config.timeout_s:g} s"
-        elif isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM"):
+        elif type(exc).__name__ == "OutOfMemoryError" or str(exc).startswith(("OOM", "command not allowed when used memory")):
             problem = "full (maxmemory reached and its policy evicts nothing)"
         elif isinstance(exc, (redis.ConnectionError, OSError)):
             problem = f"unreachable ({str(exc).splitlines()[0][:120]})"
@@ -321,13 +329,17 @@ class SharedStore:
 
     # ---- blocks ---------------------------------------------------------------------------------
     def encode_value(self, namespace: bytes, key: bytes, payload, codec: str, fingerprint: bytes) -> bytes:
-        """One block as stored: header, its signature, payload (one copy of the payload)."""
+        """One block as stored: header, its signature, payload (as one bytes object)."""
+        return b"".join(self.value_parts(namespace, key, payload, codec, fingerprint))
+
+    def value_parts(self, namespace: bytes, key: bytes, payload, codec: str, fingerprint: bytes) -> tuple:
+        """(header and signature, payload view): what ``ZeroCopyPacker`` sends as one value."""
         from kvtier.tiers.records import checksum, pack_header
 
         data = _as_bytes_view(payload)
         header = bytearray(_HEADER_BYTES)
         pack_header(header, len(data), checksum(data), fingerprint, namespace, codec, key, self.rank)
-        return b"".join((header, self._mac(bytes(header)), data))
+        return bytes(header) + self._mac(bytes(header)), data
 
     def decode_value(self, value: bytes | None, namespace: bytes, key: bytes, fingerprint: bytes):
         """The payload (a memoryview) and codec of a stored value, after every check; raises
@@ -365,7 +377,7 @@ class SharedStore:
         per block None or the exception (all of them when the store is down)."""
         if not blocks:
             return []
-        values = [(block_key(ns, key, self.rank), self.encode_value(ns, key, payload, codec, fingerprint))
+        values = [(block_key(ns, key, self.rank), self.value_parts(ns, key, payload, codec, fingerprint))
                   for ns, key, payload, codec in blocks]
         ttl = self.config.ttl_s
 
@@ -388,7 +400,7 @@ class SharedStore:
                 continue
             outcomes.append(None)
             self.counters["puts"] += 1
-            self.counters["put_bytes"] += len(value)
+            self.counters["put_bytes"] += sum(len(part) for part in value)
         return outcomes
 
     def read_batch(self, reads: Sequence[tuple[bytes, bytes, Any]], fingerprint: bytes) -> list:
@@ -411,7 +423,7 @@ class SharedStore:
                 payload, codec = self.decode_value(value, namespace, key, fingerprint)
             except ForeignValue as exc:
                 self.counters["rejected"] += 1
-                log.warning("kvtier: %s", exc)
+                self._warn_rejected(exc)
                 bad.append(name)
                 outcomes.append(exc)
                 continue
@@ -431,6 +443,15 @@ class SharedStore:
         if bad:  # never served; removed so that the next lookup misses instead of fetching it again
             self.delete_keys(bad)
         return outcomes
+
+    def _warn_rejected(self, exc: BaseException) -> None:
+        """Log a refused value, at most once per 10 s (with how many were refused meanwhile)."""
+        now = time.monotonic()
+        if now - getattr(self, "_rejected_logged", -1e9) >= 10.0:
+            quiet = self.counters["rejected"] - getattr(self, "_rejected_seen", 0) - 1
+            log.warning("kvtier: %s (refused, never served)%s", exc,
+                        f"; {quiet} more refused in the last 10 s" if quiet > 0 else "")
+            self._rejected_logged, self._rejected_seen = now, self.counters["rejected"]
 
     def lengths(self, namespace: bytes, keys: Sequence[bytes], ranks: int = 1) -> list[int]:
         """Payload bytes of each block as stored (the largest rank's), 0 where any rank's shard is
@@ -616,6 +637,63 @@ class SharedStore:
                 client.close()
             except Exception:  # noqa: BLE001
                 pass
+
+
+class ZeroCopyPacker:
+    """redis-py's command packer (RESP), except that a value given as a tuple of buffers is sent as
+    one bulk string made of them, and large buffers go to the socket as they are: a block's header
+    and its payload (a view of a DRAM slot) are never joined or copied (redis-py with hiredis copies
+    every value into one packed command)."""
+
+    LARGE = 16 << 10
+
+    @staticmethod
+    def _encode(arg) -> bytes | memoryview:
+        if isinstance(arg, (bytes, memoryview)):
+            return arg
+        if isinstance(arg, bytearray):
+            return bytes(arg)
+        if isinstance(arg, str):
+            return arg.encode()
+        if isinstance(arg, bool):
+            raise TypeError("booleans are not redis values")
+        if isinstance(arg, (int, float)):
+            return repr(arg).encode()
+        raise TypeError(f"cannot send {type(arg).__name__} to redis")
+
+    def pack(self, *args) -> list:
+        if isinstance(args[0], str):  # 'CONFIG GET' style names: separate words
+            args = tuple(args[0].encode().split()) + args[1:]
+        out: list = []
+        small: list = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            parts = [self._encode(p) for p in arg] if isinstance(arg, tuple) else [self._encode(arg)]
+            small.append(b"$%d\r\n" % sum(len(p) for p in parts))
+            for part in parts:
+                if len(part) >= self.LARGE:
+                    out.append(b"".join(small))
+                    out.append(part if isinstance(part, memoryview) else memoryview(part))
+                    small = []
+                else:
+                    small.append(part)
+            small.append(b"\r\n")
+        out.append(b"".join(small))
+        return out
+
+
+def _packed_connection(url: str):
+    """A redis-py connection class (TCP or TLS) that packs with ``ZeroCopyPacker`` (cluster clients
+    take a class, not packer arguments)."""
+    from redis.connection import Connection, SSLConnection
+
+    base = SSLConnection if url.startswith("rediss://") else Connection
+
+    class Packed(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("command_packer", ZeroCopyPacker())
+            super().__init__(*args, **kwargs)
+
+    return Packed
 
 
 def _pipeline_get(client, names: Sequence[bytes]) -> list:

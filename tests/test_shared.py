@@ -1,0 +1,276 @@
+"""The shared tier against a real redis-server that each test starts itself (standalone on a loopback
+port or a Unix socket, with a password, or a 3-node cluster): blocks and sessions that cross from
+one engine ("box") to another, values that must never be served, and a store that is down, paused,
+full or refusing our credentials -- none of which may fail or hold up anything."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from conftest import make_engine
+from kvtier.index import chain_block_hashes, namespace_of
+
+if shutil.which("redis-server") is None and shutil.which("valkey-server") is None:
+    if os.environ.get("KVTIER_REQUIRE_REDIS"):  # CI installs it: a missing server fails there
+        raise RuntimeError("KVTIER_REQUIRE_REDIS is set and there is no redis-server")
+    pytest.skip("no redis-server (apt-get install redis-server)", allow_module_level=True)
+
+from kvtier.bench.redisproc import RedisServer, start_cluster  # noqa: E402
+from kvtier.errors import ConfigError, UsageError  # noqa: E402
+from kvtier.tiers.shared import (SharedConfig, SharedStore, SharedUnavailable, block_key,  # noqa: E402
+                                 load_credentials, parse_shared_url)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    with RedisServer(tmp_path / "redis") as server:
+        yield server
+
+
+def two_boxes(fingerprint, tmp_path, url, **config):
+    """Two engines with their own DRAM, NVMe and 'HBM' tensors, one shared store."""
+    from kvtier.layout import CpuLayout
+
+    def layers(seed):
+        torch.manual_seed(seed)
+        shape = CpuLayout(fingerprint.geometry).layer_shape(64)
+        return [torch.randn(shape).to(torch.bfloat16) for _ in range(fingerprint.geometry.num_layers)]
+
+    shared = SharedConfig(url, **config)
+    a = make_engine(fingerprint, layers(1), tmp_path / "a", shared=shared, box="a")
+    b = make_engine(fingerprint, layers(2), tmp_path / "b", shared=shared, box="b")
+    return a, b
+
+
+def same_blocks(a, b, a_blocks, b_blocks) -> bool:
+    return all(torch.equal(la[i], lb[j]) for la, lb in zip(a.mover.kv_layers, b.mover.kv_layers)
+               for i, j in zip(a_blocks, b_blocks))
+
+
+def session(n_blocks=6, start=0, bt=16):
+    tokens = list(range(start, start + n_blocks * bt))
+    return tokens, chain_block_hashes(tokens, bt)
+
+
+# ---- configuration -------------------------------------------------------------------------------
+def test_urls_are_checked_and_a_password_in_one_is_refused():
+    assert parse_shared_url("redis://10.0.0.5:6379/0") == "redis://10.0.0.5:6379/0"
+    assert parse_shared_url("valkey://h:1/2") == "redis://h:1/2"
+    assert parse_shared_url("unix:///run/valkey.sock").startswith("unix://")
+    with pytest.raises(UsageError) as err:
+        parse_shared_url("redis://:hunter2@10.0.0.5:6379/0")
+    assert "hunter2" not in str(err.value) and "--shared-auth-file" in err.value.hint
+    for bad in ("http://h:1", "redis://", "redis://h:99999", "redis://h:1/x", "unix://"):
+        with pytest.raises(UsageError):
+            parse_shared_url(bad)
+
+
+def test_credentials_come_from_a_private_file_or_the_environment(tmp_path):
+    secret = tmp_path / "auth"
+    secret.write_text("kvtier\ns3cret\n")
+    secret.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600|read by other users"):
+        load_credentials(str(secret), {})
+    secret.chmod(0o600)
+    assert load_credentials(str(secret), {}) == ("kvtier", "s3cret")
+    assert load_credentials(None, {"KVTIER_SHARED_PASSWORD": "pw"}) == (None, "pw")
+    with pytest.raises(ConfigError):
+        load_credentials(str(tmp_path / "missing"), {})
+
+
+def test_settings_refuse_a_bad_shared_url_without_echoing_it():
+    from dataclasses import replace
+
+    from kvtier.config import Settings, validate_settings
+
+    with pytest.raises(ConfigError) as err:
+        validate_settings(replace(Settings(), shared="redis://:topsecret@h:1"))
+    assert "topsecret" not in str(err.value)
+
+
+# ---- the store -----------------------------------------------------------------------------------
+def test_blocks_cross_boxes_bit_for_bit_and_sessions_are_listed(fingerprint, tmp_path, redis_server):
+    a, b = two_boxes(fingerprint, tmp_path, redis_server.url)
+    try:
+        ns = namespace_of(fingerprint.digest)
+        tokens, keys = session()
+        assert a.store("agent", ns, keys, list(range(6)), len(tokens), token_ids=tokens) == 6
+        assert a.publish() == 1
+        listed = b.shared.list_sessions(fingerprint.digest)
+        assert [(s["session_id"], s["box"], s["blocks"]) for s in listed] == [("agent", "a", 6)]
+        assert b.fetch(ns, keys) == 6
+        assert b.load(ns, keys, list(range(20, 26))) == 6
+        assert same_blocks(a, b, range(6), range(20, 26))
+        assert b.manager.counters["fetched_blocks"] == 6
+    finally:
+        a.close(), b.close()
+
+
+def test_a_missing_or_evicted_key_is_a_miss_and_the_prefix_before_it_still_fetches(fingerprint, tmp_path,
+                                                                                   redis_server):
+    a, b = two_boxes(fingerprint, tmp_path, redis_server.url)
+    try:
+        ns = namespace_of(fingerprint.digest)
+        tokens, keys = session()
+        a.store("agent", ns, keys, list(range(6)), len(tokens), token_ids=tokens)
+        a.publish()
+        redis_server.client().delete(block_key(ns, keys[3]))  # what the store's own eviction does
+        assert b.fetch(ns, keys) == 3
+        assert b.load(ns, keys, list(range(20, 26))) == 3
+    finally:
+        a.close(), b.close()
+
+
+def test_other_models_and_tenants_never_share_a_block(fingerprint, geometry, tmp_path, redis_server):
+    from dataclasses import replace
+
+    from kvtier.layout import ModelFingerprint
+
+    a, _b = two_boxes(fingerprint, tmp_path, redis_server.url)
+    other_model = ModelFingerprint("other-model", geometry)
+    tokens, keys = session()
+    try:
+        ns = namespace_of(fingerprint.digest)
+        a.store("agent", ns, keys, list(range(6)), len(tokens), token_ids=tokens)
+        a.publish()
+        store = SharedStore(SharedConfig(redis_server.url))
+        salted = namespace_of(fingerprint.digest, "tenant-b")
+        assert store.lengths(salted, keys) == [0] * 6  # another tenant's namespace: nothing there
+        dst = torch.empty(geometry.block_bytes * 2, dtype=torch.uint8)
+        # the right key read as another model: refused by the header, never copied out
+        outcome = store.read_batch([(ns, keys[0], dst)], other_model.digest)[0]
+        assert isinstance(outcome, Exception) and "another model" in str(outcome)
+        assert replace(fingerprint).digest == fingerprint.digest
+        assert store.list_sessions(other_model.digest) == []
+    finally:
+        a.close(), _b.close()
+
+
+def test_forged_and_damaged_values_are_never_served(redis_server):
+    """The benchmark's forgeries (random, truncated, flipped, another key's, namespace's, model's or
+    rank's value, a lying length, unsigned, signed by an unknown key, empty) through the tier and an
+    engine's FETCH job."""
+    from kvtier.bench.shared import FORGERIES, run_foreign_values
+
+    results = run_foreign_values(redis_server.url, per_kind=8, progress=lambda _: None)
+    assert results["_foreign_values_tried"] == 8 * len(FORGERIES) + 64
+    assert results["foreign_values_served"] == 0
+
+
+def test_a_valid_value_signed_by_this_box_is_served(redis_server, geometry):
+    store = SharedStore(SharedConfig(redis_server.url))
+    payload = torch.randint(0, 256, (geometry.block_bytes,), dtype=torch.uint8)
+    ns, key, fp = os.urandom(16), os.urandom(32), os.urandom(16)
+    assert store.write_batch([(ns, key, payload, "none")], fp) == [None]
+    dst = torch.empty_like(payload)
+    assert store.read_batch([(ns, key, dst)], fp) == [(geometry.block_bytes, "none")]
+    assert torch.equal(dst, payload)
+
+
+def test_a_published_session_is_restored_with_its_keys_recomputed(fingerprint, tmp_path, redis_server):
+    a, b = two_boxes(fingerprint, tmp_path, redis_server.url)
+    try:
+        ns = namespace_of(fingerprint.digest)
+        tokens, keys = session()
+        a.store("agent", ns, keys, list(range(6)), len(tokens), token_ids=tokens)
+        a.publish()
+        entry = b.shared.session_entry(fingerprint.digest, "agent")
+        assert b.manager.shared_entry_keys(entry) == (ns, keys)
+        forged = dict(entry, token_ids=list(range(1000, 1000 + len(tokens))))  # keys no longer match
+        with pytest.raises(Exception, match="not the hash of its tokens"):
+            b.manager.shared_entry_keys(forged)
+        with pytest.raises(Exception, match="another namespace"):
+            b.manager.shared_entry_keys(entry, cache_salt="tenant-b")
+    finally:
+        a.close(), b.close()
+
+
+# ---- faults --------------------------------------------------------------------------------------
+def _timed(fn):
+    started = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - started
+
+
+def test_a_store_that_is_down_paused_or_restarted_costs_nothing_and_recovers(fingerprint, tmp_path, redis_server):
+    a, b = two_boxes(fingerprint, tmp_path, redis_server.url, timeout_s=0.3)
+    ns = namespace_of(fingerprint.digest)
+    try:
+        tokens, keys = session()
+        for fault in ("stop", "pause"):
+            redis_server.stop() if fault == "stop" else redis_server.pause()
+            # a store with the server gone: the first call waits its timeout at most, later ones not at all
+            stored, took = _timed(lambda: a.store(f"s-{fault}", ns, keys, list(range(6)), len(tokens), token_ids=tokens))
+            assert stored in (0, 6) and took < 2.0
+            a.publish(timeout=5)
+            assert a.shared.state == "down" and a.shared.problem
+            fetched, took = _timed(lambda: b.fetch(ns, keys))
+            assert fetched == 0 and took < 1.0
+            fetched, took = _timed(lambda: b.fetch(ns, keys))
+            assert fetched == 0 and took < 0.05  # inside the back-off: not even tried
+            redis_server.start() if fault == "stop" else redis_server.resume()
+            time.sleep(8.5)  # the longest back-off
+            tokens, keys = session(start=1000 if fault == "stop" else 2000)
+            assert a.store(f"s2-{fault}", ns, keys, list(range(6)), len(tokens), token_ids=tokens) == 6
+            a.mover.publisher.drain()
+            deadline = time.monotonic() + 10
+            while b.fetch(ns, keys) != 6 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert b.shared.state == "ok" and a.shared.state == "ok"
+            assert b.shared.counters["recoveries"] >= 1
+    finally:
+        redis_server.resume()
+        a.close(), b.close()
+
+
+def test_wrong_credentials_and_a_full_store_are_reported_not_raised(tmp_path, geometry):
+    with RedisServer(tmp_path / "auth", password="right-one", maxmemory="2mb") as server:
+        wrong = SharedStore(SharedConfig(server.url), env={"KVTIER_SHARED_PASSWORD": "wrong"})
+        with pytest.raises(SharedUnavailable):
+            wrong.ping()
+        assert wrong.state == "down" and "credentials" in wrong.problem
+        payload = torch.zeros(geometry.block_bytes, dtype=torch.uint8)
+        assert isinstance(wrong.write_batch([(b"n" * 16, b"k" * 32, payload, "none")], b"f" * 16)[0], Exception)
+
+        secret = tmp_path / "pw"
+        secret.write_text("right-one\n")
+        secret.chmod(0o600)
+        right = SharedStore(SharedConfig(server.url, auth_file=str(secret)))
+        big = torch.zeros(1 << 20, dtype=torch.uint8)
+        outcomes = right.write_batch([(b"n" * 16, os.urandom(32), big, "none") for _ in range(4)], b"f" * 16)
+        assert any(isinstance(o, Exception) for o in outcomes)  # noeviction + maxmemory: OOM
+        assert right.state == "down" and "full" in right.problem
+
+
+def test_unix_socket_store(tmp_path, geometry):
+    with RedisServer(tmp_path / "unix", unix=True) as server:
+        store = SharedStore(SharedConfig(server.url))
+        payload = torch.randint(0, 256, (geometry.block_bytes,), dtype=torch.uint8)
+        assert store.write_batch([(b"n" * 16, b"k" * 32, payload, "none")], b"f" * 16) == [None]
+        assert store.lengths(b"n" * 16, [b"k" * 32]) == [geometry.block_bytes]
+
+
+def test_a_three_node_cluster_spreads_blocks_and_serves_them(fingerprint, tmp_path):
+    nodes = start_cluster(tmp_path / "cluster", 3)
+    try:
+        a, b = two_boxes(fingerprint, tmp_path, nodes[0].url)
+        try:
+            ns = namespace_of(fingerprint.digest)
+            tokens, keys = session(n_blocks=24)
+            a.store("agent", ns, keys[:8], list(range(8)), 8 * 16, token_ids=tokens[: 8 * 16])
+            a.publish()
+            assert b.fetch(ns, keys[:8]) == 8
+            assert a.shared.cluster and b.shared.cluster
+            assert b.load(ns, keys[:8], list(range(30, 38))) == 8
+            assert same_blocks(a, b, range(8), range(30, 38))
+            per_node = [n.client().dbsize() for n in nodes]
+            assert sum(1 for count in per_node if count) >= 2  # not all on one node
+        finally:
+            a.close(), b.close()
+    finally:
+        for node in nodes:
+            node.stop()
