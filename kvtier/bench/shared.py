@@ -17,7 +17,6 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Callable
 
 __all__ = ["run_client_ratios", "run_foreign_values", "FORGERIES"]
@@ -186,7 +185,7 @@ def run_foreign_values(url: str, per_kind: int = 45, progress: Callable[[str], N
     client = redis.Redis.from_url(url, socket_timeout=10)
     store = SharedStore(SharedConfig(url))
     served = tried = 0
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-shared-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-shared-"):
         layers = [torch.zeros(CpuLayout(geometry).layer_shape(64), dtype=torch.bfloat16) for _ in range(2)]
         engine = TierEngine(fingerprint, 256 * geometry.block_bytes, kv_layers=layers, catalog=False,
                             shared=SharedConfig(url, codec="none"))
