@@ -737,7 +737,7 @@ class Mover:
         self._collect_writes(outcomes, [job.moves[i] for i in written], result, "snapshot->nvme")
         result.failed = [written[k] for k in result.failed]
 
-    def _fetch(self, job: Job, result: JobResult) -> None:
+    def _fetch(self, job: Job, result: JobResult) -> None:  # shared store -> DRAM or NVMe (both BlockStores)
         """Blocks from the shared store into their DRAM slots (or NVMe records): every value is
         verified (header, signature, checksum) by the store before it counts; a missing or refused
         one fails its move, and the manager forgets its row."""

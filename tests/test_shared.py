@@ -57,6 +57,19 @@ def session(n_blocks=6, start=0, bt=16):
 
 
 # ---- configuration -------------------------------------------------------------------------------
+def test_the_tiers_behind_dram_share_one_interface(tmp_path):
+    from kvtier.tiers.base import BlockStore
+    from kvtier.tiers.nvme import NvmeStore
+
+    nvme = NvmeStore(tmp_path / "nvme", 1 << 20)
+    try:
+        assert isinstance(nvme, BlockStore) and nvme.name == "nvme"
+        assert isinstance(SharedStore(SharedConfig("redis://127.0.0.1:1/0")), BlockStore)
+    finally:
+        nvme.close()
+
+
+
 def test_urls_are_checked_and_a_password_in_one_is_refused():
     assert parse_shared_url("redis://10.0.0.5:6379/0") == "redis://10.0.0.5:6379/0"
     assert parse_shared_url("valkey://h:1/2") == "redis://h:1/2"
@@ -169,6 +182,19 @@ def test_a_valid_value_signed_by_this_box_is_served(redis_server, geometry):
     dst = torch.empty_like(payload)
     assert store.read_batch([(ns, key, dst)], fp) == [(geometry.block_bytes, "none")]
     assert torch.equal(dst, payload)
+    # a list under a block's key, a missing key and a value too big for its destination, in one
+    # pipeline with good ones: each is refused or missed on its own, the good ones still read
+    client = redis_server.client()
+    odd, missing, big = os.urandom(32), os.urandom(32), os.urandom(32)
+    client.rpush(block_key(ns, odd), b"x")
+    store.write_batch([(ns, big, torch.zeros(geometry.block_bytes * 2, dtype=torch.uint8), "none")], fp)
+    dsts = [torch.empty_like(payload) for _ in range(5)]
+    outcomes = store.read_batch([(ns, k, d) for k, d in zip([key, odd, missing, big, key], dsts)], fp)
+    assert outcomes[0] == outcomes[4] == (geometry.block_bytes, "none")
+    assert torch.equal(dsts[4], payload)
+    assert "not a kvtier block" in str(outcomes[1]) or "too short" in str(outcomes[1])
+    assert "not stored" in str(outcomes[2]) and "destination" in str(outcomes[3])
+    assert store.state == "ok" and client.exists(block_key(ns, odd)) == 0  # refused values are removed
 
 
 def test_a_published_session_is_restored_with_its_keys_recomputed(fingerprint, tmp_path, redis_server):
@@ -274,3 +300,75 @@ def test_a_three_node_cluster_spreads_blocks_and_serves_them(fingerprint, tmp_pa
     finally:
         for node in nodes:
             node.stop()
+
+
+# ---- two real kvtier serve processes, one store ------------------------------------------------------
+def test_two_servers_continue_each_others_sessions(tiny_model, tmp_path, monkeypatch):
+    """Box A serves a session's turn; box B (its own DRAM and NVMe) lists it with `kvtier sessions
+    --shared`, pulls it with `kvtier restore --shared`, and a second session's next turn sent straight
+    to B loads its prefix from the store by itself, with A's exact output. Then the store goes away:
+    B keeps serving and says so in status."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+    from kvtier.plugins.vllm.served import Served
+
+    runner = CliRunner()
+    for key in list(os.environ):
+        if key.startswith("KVTIER_") and key != "KVTIER_SNAPSHOT_KEYS":
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    server = RedisServer(tmp_path / "redis").start()
+    args = ("--shared", server.url)
+    a = Served(str(tiny_model), tmp_path, "a", 2048, nvme_dir=tmp_path / "nvme-a", instance="a", serve_args=args)
+    b = None
+    try:
+        b = Served(str(tiny_model), tmp_path, "b", 2048, nvme_dir=tmp_path / "nvme-b", instance="b", serve_args=args)
+        bt = int(b.admin().get("/v1/status")["block_tokens"])
+        prompt = list(range(100, 100 + 5 * bt + 7))
+        a.turn("agent", prompt)
+        a.turn("agent2", prompt[::-1])
+        listed = {}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not {"agent", "agent2"} <= set(listed):
+            out = runner.invoke(app, ["sessions", "--shared", "--json", "--instance", "b"])
+            assert out.exit_code == 0, out.output
+            listed = {s["session_id"]: s for s in json.loads(out.output)["sessions"]}
+            time.sleep(0.5)
+        assert listed["agent"]["box"] == "a" and listed["agent"]["blocks"] == 5
+        time.sleep(1.5)  # the publisher's last batch
+        human = runner.invoke(app, ["sessions", "--shared", "--instance", "b"])
+        assert "agent2" in human.output and "shared sessions in" in human.output
+
+        pulled = runner.invoke(app, ["restore", "agent", "--shared", "--instance", "b", "--json"])
+        assert pulled.exit_code == 0, pulled.output + pulled.stderr
+        job = json.loads(pulled.output)
+        assert job["state"] == "done" and job["blocks_in_store"] == 5
+        turn = prompt + list(range(1000, 1000 + bt))
+        assert b.turn("agent", turn)["loaded"] >= 5 * bt
+
+        turn2 = prompt[::-1] + list(range(1200, 1200 + bt))  # straight to B: found by the lookup
+        here, there = b.turn("agent2", turn2), a.turn("ref", turn2)
+        assert here["loaded"] >= 5 * bt and here["text"] == there["text"]
+        status = b.admin().get("/v1/status")
+        assert status["shared"]["state"] == "ok" and status["shared"]["fetched_blocks"] >= 10
+        assert "shared tier: " + server.url.split("/0")[0] in runner.invoke(app, ["status", "--instance", "b"]).output
+        missing = runner.invoke(app, ["restore", "nobody", "--shared", "--instance", "b"])
+        assert missing.exit_code == 4 and "sessions --shared" in missing.stderr
+
+        server.stop()  # the store is gone: B serves, warns, and recomputes what it would have fetched
+        assert b.turn("agent3", list(range(900, 900 + 3 * bt)))["text"] is not None
+        deadline = time.monotonic() + 15
+        while "shared" not in b.admin().get("/v1/status")["warnings"] and time.monotonic() < deadline:
+            b.turn("agent3", list(range(900, 900 + 3 * bt)) + [5])
+            time.sleep(0.5)
+        assert "serving without it" in b.admin().get("/v1/status")["warnings"]["shared"]
+        down = runner.invoke(app, ["sessions", "--shared", "--instance", "b"])
+        assert down.exit_code != 0 and "shared store" in down.stderr
+    finally:
+        if b is not None:
+            b.stop()
+        a.stop()
+        server.stop()

@@ -157,7 +157,14 @@ class RedisServer:
 
 def start_cluster(workdir: str | os.PathLike, nodes: int = 3) -> list[RedisServer]:
     """``nodes`` primaries (no replicas) forming one cluster, every slot assigned."""
-    servers = [RedisServer(Path(workdir) / f"node{i}", cluster=True).start() for i in range(nodes)]
+    servers: list[RedisServer] = []
+    try:
+        for i in range(nodes):
+            servers.append(RedisServer(Path(workdir) / f"node{i}", cluster=True).start())
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
     cli = shutil.which("valkey-cli") or shutil.which("redis-cli")
     if cli is None:
         for server in servers:

@@ -318,6 +318,20 @@ def bench_faults(
                    lambda progress: run_faults_bench(quick=quick, progress=progress, vllm=vllm), json_out)
 
 
+@bench_app.command("shared")
+@handle_errors
+def bench_shared(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quick: bool = typer.Option(False, "--quick", help="2 sessions, 6 requests per phase, 3 rounds."),
+) -> None:
+    """The shared tier (Valkey/Redis): against its own client, across two kvtier serve processes, with the
+    store stopped, paused and restarted under load, and 600 forged values. Starts its own redis-server."""
+    from kvtier.plugins.vllm.bench_shared import SHARED_KEYS, run_shared_bench
+
+    run_vllm_bench("kvtier bench shared", SHARED_KEYS, lambda progress: run_shared_bench(quick=quick, progress=progress),
+                   json_out)
+
+
 @bench_app.command("restart")
 @handle_errors
 def bench_restart(

@@ -149,7 +149,10 @@ class _ThreadBuffers(threading.local):
 
 class NvmeStore:
     """Block records in segment files under ``root`` within ``capacity_bytes``; see the module
-    docstring. ``readonly``: only read what is there (the scheduler half's start-up scan)."""
+    docstring. ``readonly``: only read what is there (the scheduler half's start-up scan).
+    A ``kvtier.tiers.base.BlockStore``."""
+
+    name = "nvme"
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, io_threads: int = 8, direct: str = "auto",
                  rank: int = 0, readonly: bool = False, segment_bytes: int = SEGMENT_BYTES):

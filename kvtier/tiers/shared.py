@@ -206,7 +206,8 @@ class SharedStore:
         timeout = self.config.timeout_s
         common = dict(username=self.username, password=self.password, socket_timeout=timeout,
                       socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0), health_check_interval=0,
-                      socket_read_size=1 << 20)  # blocks are large: fewer, larger recv()s
+                      socket_read_size=1 << 20,  # blocks are large: fewer, larger recv()s
+                      protocol=2)  # RESP2: what _get_into parses (redis-py 8 asks for RESP3 by default)
         if self.config.url.startswith("rediss://") and self.config.ca_file:
             common["ssl_ca_certs"] = self.config.ca_file
         # values go out as (header, payload) without being joined or copied (ZeroCopyPacker)
@@ -344,33 +345,38 @@ class SharedStore:
     def decode_value(self, value: bytes | None, namespace: bytes, key: bytes, fingerprint: bytes):
         """The payload (a memoryview) and codec of a stored value, after every check; raises
         ``ForeignValue`` for anything this box may not serve under that key."""
-        from kvtier.tiers.records import checksum, unpack_header
-
         if value is None:
             raise StorageError(f"shared tier: block {key.hex()[:16]} is not stored")
+        payload = memoryview(value)[VALUE_PREFIX:]
+        return payload, self._check(value[:VALUE_PREFIX], payload, len(value), namespace, key, fingerprint)
+
+    def _check(self, prefix: bytes, payload, total: int, namespace: bytes, key: bytes, fingerprint: bytes) -> str:
+        """Verify a value (its ``prefix``: header and signature; ``payload`` as read) and return its
+        codec; ``ForeignValue`` for anything this box may not serve under that key."""
+        from kvtier.tiers.records import checksum, unpack_header
+
         name = key.hex()[:16]
-        if len(value) < VALUE_PREFIX:
-            raise ForeignValue(f"shared tier: block {name}: value of {len(value)} bytes is too short")
-        header = unpack_header(value[:_HEADER_BYTES])
+        if total < VALUE_PREFIX:
+            raise ForeignValue(f"shared tier: block {name}: value of {total} bytes is too short")
+        header = unpack_header(prefix[:_HEADER_BYTES])
         if header is None or header.rank is None:
             raise ForeignValue(f"shared tier: block {name}: not a kvtier block header (or a damaged one)")
         why = ("another model or geometry" if header.fingerprint != fingerprint else
                "another namespace (model revision or tenant)" if header.namespace != namespace else
                "another block's key" if header.key != key else
                f"rank {header.rank}'s shard" if header.rank != self.rank else
-               f"a payload of {len(value) - VALUE_PREFIX} bytes, header says {header.nbytes}"
-               if header.nbytes != len(value) - VALUE_PREFIX else None)
+               f"a payload of {total - VALUE_PREFIX} bytes, header says {header.nbytes}"
+               if header.nbytes != total - VALUE_PREFIX else None)
         if why:
             raise ForeignValue(f"shared tier: block {name}: the value holds {why}")
-        if not self._verified(value[:_HEADER_BYTES], value[_HEADER_BYTES:VALUE_PREFIX]):
+        if not self._verified(bytes(prefix[:_HEADER_BYTES]), bytes(prefix[_HEADER_BYTES:VALUE_PREFIX])):
             self.counters["rejected_unsigned"] += 1
             raise ForeignValue(f"shared tier: block {name}: not signed by a key this box trusts",
                                hint="boxes that share a store must share the snapshot keys file "
                                     "(kvtier.trust: $KVTIER_SNAPSHOT_KEYS or ~/.config/kvtier/snapshot-keys)")
-        payload = memoryview(value)[VALUE_PREFIX:]
         if checksum(payload) != header.digest:
             raise ForeignValue(f"shared tier: block {name}: payload checksum mismatch")
-        return payload, header.codec
+        return header.codec
 
     def write_batch(self, blocks: Sequence[tuple[bytes, bytes, Any, str]], fingerprint: bytes) -> list[BaseException | None]:
         """Put ``(namespace, key, payload, codec)`` blocks, one pipeline, each with the TTL. Returns
@@ -404,42 +410,45 @@ class SharedStore:
         return outcomes
 
     def read_batch(self, reads: Sequence[tuple[bytes, bytes, Any]], fingerprint: bytes) -> list:
-        """Get and verify ``(namespace, key, destination)`` blocks, one pipeline; each payload is
-        copied into its destination (a uint8 tensor or buffer). Returns per block (nbytes, codec) or
-        the exception: a missing key is a ``StorageError`` (a miss), a refused value ``ForeignValue``
-        (deleted from the store), everything ``SharedUnavailable`` when the store is down."""
+        """Get and verify ``(namespace, key, destination)`` blocks, one pipeline; each payload lands
+        in its destination (a uint8 tensor or buffer: read straight into it from the socket on a
+        standalone store). Returns per block (nbytes, codec) or the exception: a missing key is a
+        ``StorageError`` (a miss), a refused value ``ForeignValue`` (deleted from the store; whatever
+        it left in the destination is never reported as a block), everything ``SharedUnavailable``
+        when the store is down."""
         if not reads:
             return []
         names = [block_key(ns, key, self.rank) for ns, key, _dst in reads]
+        targets = [_as_bytes_view(dst, writable=True) for _ns, _key, dst in reads]
         try:
-            values = self._call(lambda client: _pipeline_get(client, names))
+            got = self._call(lambda client: _get_into(client, names, targets) if not self.cluster
+                             else _copy_into(_pipeline_get(client, names), targets))
         except SharedUnavailable as exc:
             self.counters["get_skipped"] += len(reads)
             return [exc] * len(reads)
         outcomes: list = []
         bad = []
-        for (namespace, key, dst), name, value in zip(reads, names, values):
+        for (namespace, key, _dst), name, target, item in zip(reads, names, targets, got):
+            if item is None:
+                self.counters["misses"] += 1
+                outcomes.append(StorageError(f"shared tier: block {key.hex()[:16]} is not stored"))
+                continue
+            prefix, total = item
+            if total - VALUE_PREFIX > len(target):
+                outcomes.append(StorageError(f"shared tier: block {key.hex()[:16]} holds {total - VALUE_PREFIX} "
+                                             f"bytes, more than its {len(target)}-byte destination"))
+                continue
             try:
-                payload, codec = self.decode_value(value, namespace, key, fingerprint)
+                codec = self._check(prefix, target[: max(total - VALUE_PREFIX, 0)], total, namespace, key, fingerprint)
             except ForeignValue as exc:
                 self.counters["rejected"] += 1
                 self._warn_rejected(exc)
                 bad.append(name)
                 outcomes.append(exc)
                 continue
-            except StorageError as exc:
-                self.counters["misses"] += 1
-                outcomes.append(exc)
-                continue
-            target = _as_bytes_view(dst, writable=True)
-            if len(payload) > len(target):
-                outcomes.append(StorageError(f"shared tier: block {key.hex()[:16]} holds {len(payload)} bytes, "
-                                             f"more than its {len(target)}-byte destination"))
-                continue
-            target[: len(payload)] = payload
             self.counters["hits"] += 1
-            self.counters["get_bytes"] += len(value)
-            outcomes.append((len(payload), codec))
+            self.counters["get_bytes"] += total
+            outcomes.append((total - VALUE_PREFIX, codec))
         if bad:  # never served; removed so that the next lookup misses instead of fetching it again
             self.delete_keys(bad)
         return outcomes
@@ -694,6 +703,108 @@ def _packed_connection(url: str):
             super().__init__(*args, **kwargs)
 
     return Packed
+
+
+def _copy_into(values: Sequence[bytes | None], targets: Sequence[memoryview]) -> list:
+    """``_get_into``'s answer from values already read (a cluster's pipeline)."""
+    out: list = []
+    for value, target in zip(values, targets):
+        if value is None:
+            out.append(None)
+            continue
+        n = min(max(len(value) - VALUE_PREFIX, 0), len(target))
+        target[:n] = memoryview(value)[VALUE_PREFIX : VALUE_PREFIX + n]
+        out.append((value[:VALUE_PREFIX], len(value)))
+    return out
+
+
+class _Replies:
+    """Reads RESP2 replies of pipelined GETs from a socket, bulk values straight into buffers."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = bytearray()
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the shared store closed the connection")
+        self.buf += chunk
+
+    def line(self) -> bytes:
+        while True:
+            end = self.buf.find(b"\r\n")
+            if end >= 0:
+                line = bytes(self.buf[:end])
+                del self.buf[: end + 2]
+                return line
+            if len(self.buf) > 1 << 16:
+                raise ConnectionError("the shared store sent a reply line over 64 KiB")
+            self._fill()
+
+    def into(self, view: memoryview) -> None:
+        """Exactly ``len(view)`` bytes into ``view``: what is buffered first, then from the socket."""
+        have = min(len(self.buf), len(view))
+        if have:
+            view[:have] = self.buf[:have]
+            del self.buf[:have]
+        while have < len(view):
+            got = self.sock.recv_into(view[have:])
+            if not got:
+                raise ConnectionError("the shared store closed the connection")
+            have += got
+
+    def skip(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20)))
+        while n:
+            step = min(n, len(scratch))
+            self.into(scratch[:step])
+            n -= step
+
+
+def _get_into(client, names: Sequence[bytes], targets: Sequence[memoryview]) -> list:
+    """Pipelined GETs on one connection of a standalone store, each value's header and signature
+    into a small buffer and its payload straight from the socket into its target (no bytes object,
+    no copy). Returns per name None (missing) or (prefix, value length). Any fault leaves the
+    connection closed, never half-read."""
+    import redis
+
+    pool = client.connection_pool
+    conn = pool.get_connection()  # (redis-py: checks it is healthy and connects it)
+    try:
+        conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]))
+        replies = _Replies(conn._sock)
+        out: list = []
+        for target in targets:
+            head = replies.line()
+            if head.startswith(b"-"):  # e.g. WRONGTYPE: something else under our key: refused, not served
+                out.append((b"", -1))
+                continue
+            if not head.startswith((b"$", b"_")):
+                raise redis.ConnectionError(f"unexpected reply to GET: {head[:40]!r}")
+            if head == b"_":  # RESP3's null, should the server speak it anyway
+                out.append(None)
+                continue
+            total = int(head[1:])
+            if total < 0:
+                out.append(None)
+                continue
+            prefix = bytearray(min(total, VALUE_PREFIX))
+            replies.into(memoryview(prefix))
+            body = total - len(prefix)
+            room = min(body, len(target))
+            replies.into(target[:room])
+            replies.skip(body - room)
+            replies.into(memoryview(bytearray(2)))  # CRLF
+            out.append((bytes(prefix), total))
+        if replies.buf:
+            raise redis.ConnectionError("the shared store sent more than was asked")
+        return out
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
 
 
 def _pipeline_get(client, names: Sequence[bytes]) -> list:
