@@ -85,8 +85,26 @@ def _link_warnings(gpu: dict[str, Any], reload_dram_s: float, name_it: bool) -> 
     return out
 
 
+def shared_report(url: str, auth_file: str | None = None, quick: bool = False) -> dict[str, Any]:
+    """The shared store measured from here: round trip, read rate of one large value, its memory and
+    eviction policy; ``problem`` when it cannot be reached or refuses the credentials."""
+    from kvtier.tiers.shared import SharedConfig, SharedStore, SharedUnavailable, parse_shared_url
+
+    store = SharedStore(SharedConfig(parse_shared_url(url), timeout_s=2.0, auth_file=auth_file))
+    out: dict[str, Any] = {"url": store.url}
+    try:
+        bps, rtt = store.measure(nbytes=(4 if quick else 32) << 20)
+        out.update(read_gbps=bps / 1e9, rtt_ms=rtt * 1e3, server=store.server_info(), cluster=store.cluster)
+    except SharedUnavailable as exc:
+        out["problem"] = str(exc)
+    finally:
+        store.close()
+    return out
+
+
 def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, float], server: dict | None,
-               quick: bool = False, gpus: list[str] | None = None) -> dict[str, Any]:
+               quick: bool = False, gpus: list[str] | None = None, shared: str | None = None,
+               shared_auth_file: str | None = None) -> dict[str, Any]:
     """``gpus``: the GPUs to report, as ``CUDA_VISIBLE_DEVICES`` names them (default: that variable,
     else every GPU); the host-to-device rate is measured on the first of them."""
     from kvtier.costmodel import GB, measure_rates
@@ -108,6 +126,11 @@ def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, flo
     per_token = kv["bytes_per_token"]
     reload = {"dram": REFERENCE_TOKENS * per_token / rates.host_to_device_bps,
               "nvme": REFERENCE_TOKENS * per_token * (1 / rates.nvme_read_bps + 1 / rates.host_to_device_bps)}
+    if shared:
+        report["shared"] = shared_report(shared, shared_auth_file, quick)
+        if "read_gbps" in report["shared"]:  # one pipeline: one round trip, then the bytes
+            reload["shared"] = report["shared"]["rtt_ms"] / 1e3 + REFERENCE_TOKENS * per_token * (
+                1 / (report["shared"]["read_gbps"] * GB) + 1 / rates.host_to_device_bps)
     report["reload_200k_s"] = reload
     report["server"] = server
     warnings: list[str] = []
@@ -135,5 +158,17 @@ def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, flo
     elif server is None:
         warnings.append("no server: recompute speed is unknown (start `kvtier serve` and serve one prompt, then "
                         "run kvtier doctor again for break-even lengths)")
+    shared_info = report.get("shared") or {}
+    if shared_info.get("problem"):
+        warnings.append(f"{shared_info['problem']}: servers started with --shared serve without it until it answers")
+    elif "shared" in reload and reload["shared"] > reload["nvme"]:
+        warnings.append(f"the shared store ({shared_info['read_gbps']:.2f} GB/s, {shared_info['rtt_ms']:.2f} ms) is "
+                        f"slower than this box's NVMe tier: a 200k-token session reloads in {reload['shared']:.1f} s "
+                        f"from it vs {reload['nvme']:.1f} s from NVMe (the cost model still fetches when it beats "
+                        "recompute)")
+    policy = (shared_info.get("server") or {}).get("maxmemory_policy", "")
+    if policy == "noeviction" and (shared_info.get("server") or {}).get("maxmemory"):
+        warnings.append("the shared store has a memory cap and maxmemory-policy noeviction: once full it refuses "
+                        "new blocks instead of evicting old ones; allkeys-lru suits a cache")
     report["warnings"] = warnings
     return report

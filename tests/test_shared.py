@@ -372,3 +372,54 @@ def test_two_servers_continue_each_others_sessions(tiny_model, tmp_path, monkeyp
             b.stop()
         a.stop()
         server.stop()
+
+
+def test_doctor_measures_the_shared_store_and_says_when_it_is_away(redis_server, tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    monkeypatch.setenv("KVTIER_NVME_DIR", str(tmp_path / "nvme"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    runner = CliRunner()
+    out = runner.invoke(app, ["doctor", "--quick", "--json", "--shared", redis_server.url])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    assert report["shared"]["read_gbps"] > 0 and report["shared"]["rtt_ms"] > 0
+    assert report["reload_200k_s"]["shared"] > 0
+    away = json.loads(runner.invoke(app, ["doctor", "--quick", "--json", "--shared", "redis://127.0.0.1:1/0"]).output)
+    assert "unreachable" in away["shared"]["problem"] and any("serve without it" in w for w in away["warnings"])
+
+
+def test_policies_ttl_and_serve_checks(fingerprint, tmp_path, redis_server):
+    """write-through publishes on store, demote only once a block has its NVMe copy; every key has
+    the TTL; serve refuses demote without an NVMe tier and warns (not refuses) when the store is away."""
+    from dataclasses import replace
+
+    from kvtier.config import Settings
+    from kvtier.serve import check_shared
+
+    a, b = two_boxes(fingerprint, tmp_path, redis_server.url, policy="demote", ttl_s=600)
+    client = redis_server.client()
+    try:
+        ns = namespace_of(fingerprint.digest)
+        tokens, keys = session()
+        a.store("agent", ns, keys, list(range(6)), len(tokens), token_ids=tokens)
+        a.mover.publisher.drain()
+        assert b.shared.lengths(ns, keys) == [0] * 6  # demote: not yet
+        a.flush()  # the blocks get their NVMe copy
+        a.mover.publisher.drain()
+        assert all(b.shared.lengths(ns, keys))
+        assert 0 < client.ttl(block_key(ns, keys[0])) <= 600
+        a.publish()
+        assert 0 < client.ttl(b"kvt1:s:" + fingerprint.digest.hex().encode() + b":agent") <= 600
+    finally:
+        a.close(), b.close()
+    settings = replace(Settings(), shared=redis_server.url, shared_policy="demote", nvme_bytes=0)
+    with pytest.raises(ConfigError, match="no NVMe tier"):
+        check_shared(settings)
+    assert check_shared(replace(settings, shared_policy="write-through")) == []
+    warned = check_shared(replace(settings, shared="redis://127.0.0.1:1/0", shared_policy="write-through"))
+    assert warned and "serving without the shared tier" in warned[0]

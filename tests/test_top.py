@@ -405,3 +405,36 @@ async def test_session_details_say_why_its_last_turns_recomputed(live):
         app._sessions(app.snapshot)
         await pilot.press("enter")
         assert "last turns: none since the server started" in str(app.screen.query_one("Static").render())
+
+
+@aio
+async def test_the_shared_tier_shows_like_the_others(utc):
+    """A server with a shared tier: its row in the tiers panel (the store's memory against its cap,
+    blocks published, codec), its hit rate, its two links, and the store's warning in the banner."""
+    from dataclasses import replace
+
+    from kvtier.tui.app import LinksPanel, TiersPanel
+    from kvtier.tui.collector import _hit_rates, _tiers
+
+    first = next(replay(str(REPLAY)))
+    shared = {"url": "redis://10.0.0.5:6379/0", "state": "down", "codec": "none+zstd", "published_blocks": 1234,
+              "server": {"used_memory": 3 << 30, "maxmemory": 8 << 30}}
+    status_tiers = {"hbm": {}, "dram": {"used_bytes": 1, "capacity_bytes": 2}, "nvme": {}}
+    tiers = _tiers(status_tiers, shared)
+    assert tiers[-1].name == "shared" and tiers[-1].fraction == 3 / 8 and tiers[-1].blocks == 1234
+    assert _tiers(status_tiers, None)[-1].name == "nvme"  # no shared tier, no row
+    rates = dict(_hit_rates({"prompt_tokens": 1000, "fetched_blocks": 4}, 128, shared=True))
+    assert rates["shared"] == 4 * 128 / 1000
+    links = first.links + tuple(replace(first.links[0], name=name, bytes_per_s=2e9, history=(1e9, 2e9))
+                                for name in ("shared→DRAM", "DRAM→shared"))
+    snap = replace(first, tiers=first.tiers + (tiers[-1],), links=links,
+                   hit_rates=first.hit_rates + (("shared", 0.25),),
+                   banners=("shared: shared store redis://10.0.0.5:6379/0 is unreachable: serving without it",))
+    app = TopApp(lambda: None, interval=3600, first=snap)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        tiers_text = str(app.query_one(TiersPanel).render())
+        assert "SHRD" in tiers_text and "none+zst" in tiers_text and "SHRD 25%" in tiers_text
+        links_text = str(app.query_one(LinksPanel).render())
+        assert "shared r+w" in links_text or "shared→DRAM" in links_text
+        assert "serving without it" in str(app.query_one("#banner").render())

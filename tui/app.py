@@ -116,6 +116,9 @@ class Header(Static):
         return self.line
 
 
+TIER_LABELS = {"shared": "SHRD"}  # the tier column is 5 wide
+
+
 class TiersPanel(Panel):
     def render(self) -> Text:
         snap = self.snapshot
@@ -126,7 +129,7 @@ class TiersPanel(Panel):
         bar_width = max(4, width - 5 - 5 - 12 - 9)  # name, percent, used/capacity, codec
         for tier in snap.tiers:
             fraction = tier.fraction
-            text.append(f"{tier.name.upper():<5}")
+            text.append(f"{TIER_LABELS.get(tier.name, tier.name.upper()):<5}")
             if fraction is None:
                 text.append("━" * bar_width, style="dim")
                 text.append("  N/A")
@@ -139,7 +142,7 @@ class TiersPanel(Panel):
             used = f"{short_bytes(tier.used_bytes)}/{short_bytes(tier.capacity_bytes)}"
             text.append(f" {used:>11}")
             text.append(f" {tier.codec[:8]:<8}\n", style="dim")
-        hits = "  ".join(f"{name.upper()} {'N/A' if rate is None else f'{rate * 100:.0f}%'}"
+        hits = "  ".join(f"{TIER_LABELS.get(name, name.upper())} {'N/A' if rate is None else f'{rate * 100:.0f}%'}"
                          for name, rate in snap.hit_rates)
         text.append("hits ", style="bold")
         text.append(hits or "N/A")
@@ -207,8 +210,10 @@ class LinksPanel(Panel):
             return (sum(rates) if rates else None), history
 
         out = []
-        for label, names in (("PCIe →GPU", ("PCIe →GPU",)), ("PCIe GPU→", ("PCIe GPU→",)),
-                             ("DRAM→HBM", ("DRAM→HBM",)), ("HBM→DRAM", ("HBM→DRAM",)),
+        pcie: tuple = (("PCIe →GPU", ("PCIe →GPU",)), ("PCIe GPU→", ("PCIe GPU→",)))
+        if "shared→DRAM" in links:  # still six rows: PCIe's two directions share one
+            pcie = (("PCIe r+w", ("PCIe →GPU", "PCIe GPU→")), ("shared r+w", ("shared→DRAM", "DRAM→shared")))
+        for label, names in (*pcie, ("DRAM→HBM", ("DRAM→HBM",)), ("HBM→DRAM", ("HBM→DRAM",)),
                              ("NVMe r+w", ("DRAM→NVMe", "NVMe→DRAM", "snapshot", "restore")),
                              ("disk r+w", ("disk read", "disk write"))):
             rate, history = total(names)

@@ -139,8 +139,9 @@ class Collector:
         banners.extend(f"{tier}: {warning}" for tier, warning in status.get("warnings", {}).items())
         return Snapshot(
             taken=now, connected=True, banners=tuple(banners), model=status.get("model"),
-            snapshot_dir=status.get("snapshot_dir"), tiers=_tiers(status["tiers"]), links=links,
-            hit_rates=_hit_rates(status.get("counters", {}), int(status.get("block_tokens") or 0)),
+            snapshot_dir=status.get("snapshot_dir"), tiers=_tiers(status["tiers"], status.get("shared")), links=links,
+            hit_rates=_hit_rates(status.get("counters", {}), int(status.get("block_tokens") or 0),
+                                 shared=status.get("shared") is not None),
             sessions=self._sessions(sessions), jobs=tuple(_job(j) for j in jobs[:50]),
             gpu=self.nvml.name, dirty_bytes=(status.get("dirty") or {}).get("dirty_bytes"),
             dirty_age_s=(status.get("dirty") or {}).get("dirty_age_s"),
@@ -165,6 +166,11 @@ class Collector:
         counters = (status or {}).get("links", {})
         for key, label in KVTIER_LINKS:
             links.append(self._link(label, "kvtier", self._rate(key, now, counters.get(key)) if status else None))
+        shared = (status or {}).get("shared")
+        if shared:  # the shared tier's two directions, when the server has one
+            links.append(self._link("shared→DRAM", "kvtier", self._rate("fetch", now, counters.get("fetch"))))
+            links.append(self._link("DRAM→shared", "kvtier",
+                                    self._rate("published", now, shared.get("published_bytes"))))
         links.append(self._link("PCIe →GPU", "nvml", gpu["pcie_to_gpu"] if gpu else None))
         links.append(self._link("PCIe GPU→", "nvml", gpu["pcie_from_gpu"] if gpu else None))
         try:
@@ -177,7 +183,7 @@ class Collector:
         return tuple(links)
 
 
-def _tiers(tiers: dict) -> tuple[Tier, ...]:
+def _tiers(tiers: dict, shared: dict | None = None) -> tuple[Tier, ...]:
     hbm = tiers.get("hbm", {})
     out = [Tier("hbm", hbm.get("used_bytes"), hbm.get("capacity_bytes"), hbm.get("blocks"),
                 hbm.get("kv_dtype", "?"), hbm.get("tokens_per_gib"))]
@@ -185,17 +191,26 @@ def _tiers(tiers: dict) -> tuple[Tier, ...]:
         t = tiers.get(name, {})
         out.append(Tier(name, t.get("used_bytes"), t.get("capacity_bytes"), t.get("blocks"), t.get("codec", "none"),
                         t.get("tokens_per_gib")))
+    if shared:  # the store's own memory figures (every box's blocks); no cap: maxmemory 0
+        server = shared.get("server") or {}
+        out.append(Tier("shared", server.get("used_memory"), server.get("maxmemory") or None,
+                        shared.get("published_blocks"), shared.get("codec", "none")))
     return tuple(out)
 
 
-def _hit_rates(counters: dict, block_tokens: int) -> tuple[tuple[str, float | None], ...]:
-    """Share of admitted prompt tokens served by each tier, since the server started."""
+def _hit_rates(counters: dict, block_tokens: int, shared: bool = False) -> tuple[tuple[str, float | None], ...]:
+    """Share of admitted prompt tokens served by each tier, since the server started (the shared
+    tier's: the blocks fetched from it, which then load from DRAM)."""
     prompt = counters.get("prompt_tokens", 0)
+    names = ("hbm", "dram", "nvme") + (("shared",) if shared else ())
     if not prompt:
-        return (("hbm", None), ("dram", None), ("nvme", None))
-    return (("hbm", counters.get("hbm_hit_tokens", 0) / prompt),
-            ("dram", counters.get("hit_dram_blocks", 0) * block_tokens / prompt),
-            ("nvme", counters.get("hit_nvme_blocks", 0) * block_tokens / prompt))
+        return tuple((name, None) for name in names)
+    rates = (("hbm", counters.get("hbm_hit_tokens", 0) / prompt),
+             ("dram", counters.get("hit_dram_blocks", 0) * block_tokens / prompt),
+             ("nvme", counters.get("hit_nvme_blocks", 0) * block_tokens / prompt))
+    if shared:
+        rates += (("shared", counters.get("fetched_blocks", 0) * block_tokens / prompt),)
+    return rates
 
 
 def _session(row: dict) -> SessionRow:

@@ -560,6 +560,8 @@ def doctor(
     socket: Optional[str] = typer.Option(None, "--socket", help="Admin socket of a running server (optional)."),
     _instance: Optional[str] = INSTANCE_OPTION,
     quick: bool = typer.Option(False, "--quick", help="Smaller bandwidth measurements."),
+    shared: Optional[str] = typer.Option(None, "--shared", help="Also measure this shared store (default: the "
+                                                                "configured one, if any)."),
 ) -> None:
     """Links, disks and the load-or-recompute break-even on this box, with plain warnings."""
     from kvtier.config import load_settings
@@ -584,7 +586,8 @@ def doctor(
         if chosen is not None and chosen.gpus is not None:
             gpus = chosen.gpus  # that instance's GPUs: its links, and the rate measured on its first
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    report = run_doctor(nvme_dir or settings.nvme_dir, model, caps, server, quick=quick, gpus=gpus)
+    report = run_doctor(nvme_dir or settings.nvme_dir, model, caps, server, quick=quick, gpus=gpus,
+                        shared=shared or settings.shared or None, shared_auth_file=settings.shared_auth_file or None)
     if json_out:
         emit_json(report)
         return
@@ -606,8 +609,14 @@ def _print_doctor(report: dict) -> None:
     kv = report["kv"]
     rows.append(("KV per token", f"{human_bytes(kv['bytes_per_token'])} ({kv['layers']} layers x {kv['kv_heads']} kv "
                                  f"heads x {kv['head_dim']}, {kv['dtype']}; fp8 halves it)"))
+    shared = report.get("shared")
+    if shared:
+        rows.append(("shared store", f"{shared['url']}: " + (shared["problem"] if shared.get("problem") else
+                     f"{shared['read_gbps']:.2f} GB/s reads, {shared['rtt_ms']:.2f} ms round trip"
+                     + (", cluster" if shared.get("cluster") else ""))))
     reload = report["reload_200k_s"]
-    rows.append(("reload 200k tokens", f"{reload['dram']:.2f} s from DRAM, {reload['nvme']:.2f} s from NVMe"))
+    rows.append(("reload 200k tokens", f"{reload['dram']:.2f} s from DRAM, {reload['nvme']:.2f} s from NVMe"
+                 + (f", {reload['shared']:.2f} s from the shared store" if "shared" in reload else "")))
     cost = ((report.get("server") or {}).get("costmodel")) or {}
     if cost.get("prefill"):
         even = cost["break_even_tokens"]
