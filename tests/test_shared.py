@@ -423,3 +423,32 @@ def test_policies_ttl_and_serve_checks(fingerprint, tmp_path, redis_server):
     assert check_shared(replace(settings, shared_policy="write-through")) == []
     warned = check_shared(replace(settings, shared="redis://127.0.0.1:1/0", shared_policy="write-through"))
     assert warned and "serving without the shared tier" in warned[0]
+
+
+def test_tls_store_with_its_ca(tmp_path, geometry):
+    """rediss:// with --shared-ca-file: a server with a certificate signed by a private CA."""
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    ca_key, ca, key, csr, cert = (tmp_path / n for n in ("ca.key", "ca.pem", "srv.key", "srv.csr", "srv.pem"))
+    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca),
+        "-days", "1", "-subj", "/CN=kvtier-test-ca")
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+        "-subj", "/CN=127.0.0.1")
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+        "-out", str(cert), "-days", "1", "-extfile", str(ext))
+    with RedisServer(tmp_path / "tls", tls=(str(cert), str(key), str(ca))) as server:
+        assert server.url.startswith("rediss://")
+        store = SharedStore(SharedConfig(server.url, ca_file=str(ca)))
+        payload = torch.randint(0, 256, (geometry.block_bytes,), dtype=torch.uint8)
+        assert store.write_batch([(b"n" * 16, b"k" * 32, payload, "none")], b"f" * 16) == [None]
+        dst = torch.empty_like(payload)
+        assert store.read_batch([(b"n" * 16, b"k" * 32, dst)], b"f" * 16) == [(geometry.block_bytes, "none")]
+        assert torch.equal(dst, payload)
+        untrusting = SharedStore(SharedConfig(server.url))  # the system CAs do not know this one
+        with pytest.raises(SharedUnavailable):
+            untrusting.ping()

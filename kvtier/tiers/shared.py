@@ -222,7 +222,7 @@ class SharedStore:
                 from redis.cluster import RedisCluster
 
                 client.close()
-                client = RedisCluster.from_url(self.config.url, cluster_error_retry_attempts=1,
+                client = RedisCluster.from_url(self.config.url,
                                                connection_class=_packed_connection(self.config.url), **common)
                 self.cluster = True
         return client

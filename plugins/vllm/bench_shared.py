@@ -134,10 +134,15 @@ def store_down(model: str, base: Path, server, requests: int, prompt_tokens: int
             progress(f"store {fault}: {failed} failed requests, step p99 "
                      f"{np.percentile(faulted[fault], 99) * 1e3:.1f} ms vs {np.percentile(up, 99) * 1e3:.1f} ms up")
             time.sleep(9)  # the back-off ends; the next healthy phase finds the store again
+        # the same number of steps on both sides (three healthy phases, three faulted ones, interleaved):
+        # a p99 over fewer samples would sit nearer the maximum
         base_p99 = float(np.percentile(healthy, 99))
+        down_p99 = float(np.percentile([t for v in faulted.values() for t in v], 99))
         worst = max(float(np.percentile(v, 99)) for v in faulted.values())
-        return {"store_down_failed_requests": failures, "store_down_step_p99_vs_baseline": worst / base_p99,
-                "_store_down_baseline_p99_ms": base_p99 * 1e3, "_store_down_worst_p99_ms": worst * 1e3,
+        return {"store_down_failed_requests": failures, "store_down_step_p99_vs_baseline": down_p99 / base_p99,
+                "_store_down_baseline_p99_ms": base_p99 * 1e3, "_store_down_p99_ms": down_p99 * 1e3,
+                "_store_down_worst_phase_p99_ms": worst * 1e3,
+                "_store_down_worst_phase_vs_baseline": worst / base_p99,
                 "_store_down_warned": int(warned), "_store_down_steps": len(healthy) + sum(map(len, faulted.values()))}
     finally:
         engine.close()
@@ -155,12 +160,13 @@ def run_shared_bench(quick: bool = False, progress: Callable[[str], None] = prin
         cpu_environment(str(base))
         model = model or str(ensure_demo_model("tiny"))
         with RedisServer(base / "redis") as server:
+            progress("the tier against its own client")  # first: nothing else has run in this process yet
+            results.update(run_client_ratios(server.url, rounds=3 if quick else 9, progress=progress))
+            progress("forged and damaged values")
+            results.update(run_foreign_values(server.url, per_kind=45, progress=progress))
+            server.client().flushall()
             progress("cross-box: two kvtier serve processes, one store")
             results.update(cross_box(model, base, server.url, 2 if quick else 4, 1024 if quick else 2048, progress))
             progress("store down, paused, restarted under load (in-process engine)")
-            results.update(store_down(model, base, server, 6 if quick else 12, 256, 16, progress))
-            progress("the tier against its own client")
-            results.update(run_client_ratios(server.url, rounds=3 if quick else 7, progress=progress))
-            progress("forged and damaged values")
-            results.update(run_foreign_values(server.url, per_kind=45, progress=progress))
+            results.update(store_down(model, base, server, 6 if quick else 16, 256, 16, progress))
     return results

@@ -205,8 +205,6 @@ class KVTierScheduler:
         written blocks behind, so their state (and status's dirty count) comes back."""
         poked_at = 0.0
         while not self._stopping.wait(every_s):
-            if self.shared is not None:
-                self.shared.tick()
             if self.catalog_paused.is_set():
                 continue
             self.manager.sync_catalog(self.lock)

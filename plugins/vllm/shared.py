@@ -12,7 +12,8 @@ normal lookup finds them and loads them. Every wait is bounded (``LOOKUP_WAIT_S`
 past it the request goes on without the shared tier and recomputes. A store that is down is not
 asked at all until its back-off ends (``SharedStore``), so an outage costs requests nothing.
 
-About once a second (the catalog thread) the sessions that changed are published (their ordered
+About once a second (a thread of its own: a store that hangs must not delay the session catalog's
+writes) the sessions that changed are published (their ordered
 keys, token ids and pin: what another box needs to list and restore them), the store's memory
 figures are read for status, and its health becomes a status warning or stops being one.
 """
@@ -53,6 +54,16 @@ class SharedLookups:
         self._measured_at = -MEASURE_EVERY_S
         self._info_at = -INFO_EVERY_S
         self._ticking = threading.Lock()
+        self._stopping = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name="kvtier-shared-tick", daemon=True)
+        self._ticker.start()
+
+    def _tick_loop(self) -> None:
+        while not self._stopping.wait(1.0):
+            try:
+                self.tick()
+            except Exception as exc:  # noqa: BLE001 - the shared tier must never take the engine down
+                log.warning("kvtier: shared tier upkeep failed: %s", exc)
 
     # ---- admission (vLLM's engine thread, under the scheduler's lock) -------------------------------
     def pending(self, state: "RequestState", request: Any, have: int, usable: int) -> bool:
@@ -113,7 +124,7 @@ class SharedLookups:
             state.shared = ("done",)
         return False
 
-    # ---- about once a second (the catalog thread) -----------------------------------------------------
+    # ---- about once a second (its own thread) ---------------------------------------------------------
     def tick(self) -> None:
         if not self._ticking.acquire(blocking=False):
             return
@@ -197,5 +208,7 @@ class SharedLookups:
                 "rejected": counters.get("rejected", 0), "counters": counters}
 
     def close(self) -> None:
+        self._stopping.set()
+        self.tick()  # the last sessions changed before the stop
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
