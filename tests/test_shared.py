@@ -56,6 +56,15 @@ def session(n_blocks=6, start=0, bt=16):
     return tokens, chain_block_hashes(tokens, bt)
 
 
+def published(box, fingerprint, session_id="agent"):
+    """A 6-block session stored on ``box`` and published: (namespace, token ids, keys)."""
+    ns = namespace_of(fingerprint.digest)
+    tokens, keys = session()
+    box.store(session_id, ns, keys, list(range(6)), len(tokens), token_ids=tokens)
+    box.publish()
+    return ns, tokens, keys
+
+
 # ---- configuration -------------------------------------------------------------------------------
 def test_the_tiers_behind_dram_share_one_interface(tmp_path):
     from kvtier.tiers.base import BlockStore
@@ -127,10 +136,7 @@ def test_a_missing_or_evicted_key_is_a_miss_and_the_prefix_before_it_still_fetch
                                                                                    redis_server):
     a, b = two_boxes(fingerprint, tmp_path, redis_server.url)
     try:
-        ns = namespace_of(fingerprint.digest)
-        tokens, keys = session()
-        a.store("agent", ns, keys, list(range(6)), len(tokens), token_ids=tokens)
-        a.publish()
+        ns, tokens, keys = published(a, fingerprint)
         redis_server.client().delete(block_key(ns, keys[3]))  # what the store's own eviction does
         assert b.fetch(ns, keys) == 3
         assert b.load(ns, keys, list(range(20, 26))) == 3
@@ -147,9 +153,7 @@ def test_other_models_and_tenants_never_share_a_block(fingerprint, geometry, tmp
     other_model = ModelFingerprint("other-model", geometry)
     tokens, keys = session()
     try:
-        ns = namespace_of(fingerprint.digest)
-        a.store("agent", ns, keys, list(range(6)), len(tokens), token_ids=tokens)
-        a.publish()
+        ns, tokens, keys = published(a, fingerprint)
         store = SharedStore(SharedConfig(redis_server.url))
         salted = namespace_of(fingerprint.digest, "tenant-b")
         assert store.lengths(salted, keys) == [0] * 6  # another tenant's namespace: nothing there
@@ -200,10 +204,7 @@ def test_a_valid_value_signed_by_this_box_is_served(redis_server, geometry):
 def test_a_published_session_is_restored_with_its_keys_recomputed(fingerprint, tmp_path, redis_server):
     a, b = two_boxes(fingerprint, tmp_path, redis_server.url)
     try:
-        ns = namespace_of(fingerprint.digest)
-        tokens, keys = session()
-        a.store("agent", ns, keys, list(range(6)), len(tokens), token_ids=tokens)
-        a.publish()
+        ns, tokens, keys = published(a, fingerprint)
         entry = b.shared.session_entry(fingerprint.digest, "agent")
         assert b.manager.shared_entry_keys(entry) == (ns, keys)
         forged = dict(entry, token_ids=list(range(1000, 1000 + len(tokens))))  # keys no longer match

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 import time
 from typing import Callable
 
@@ -57,21 +56,17 @@ def run_client_ratios(url: str, sizes=(2 << 20, 256 << 10), total_bytes: int = 6
             raw_names = [b"kvt1:bench:raw:%d" % i for i in range(count)]
             dests = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
 
-            def raw_put() -> None:
-                for batch in batches:
-                    pipe = client.pipeline(transaction=False)
-                    for i in batch:
-                        pipe.set(raw_names[i], raw_bytes[i], ex=600)
-                    pipe.execute()
+            def plain_put(through) -> Callable[[], None]:
+                def put() -> None:
+                    for batch in batches:
+                        pipe = through.pipeline(transaction=False)
+                        for i in batch:
+                            pipe.set(raw_names[i], raw_bytes[i], ex=600)
+                        pipe.execute()
+                return put
 
-            packed = store._call(lambda c: c)  # the tier's own client (its zero-copy packer)
-
-            def packed_put() -> None:
-                for batch in batches:
-                    pipe = packed.pipeline(transaction=False)
-                    for i in batch:
-                        pipe.set(raw_names[i], raw_bytes[i], ex=600)
-                    pipe.execute()
+            raw_put = plain_put(client)
+            packed_put = plain_put(store._call(lambda c: c))  # the tier's own client (its zero-copy packer)
 
             def tier_put() -> None:
                 for batch in batches:
@@ -185,54 +180,44 @@ def run_foreign_values(url: str, per_kind: int = 45, progress: Callable[[str], N
     client = redis.Redis.from_url(url, socket_timeout=10)
     store = SharedStore(SharedConfig(url))
     served = tried = 0
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-shared-"):
-        layers = [torch.zeros(CpuLayout(geometry).layer_shape(64), dtype=torch.bfloat16) for _ in range(2)]
-        engine = TierEngine(fingerprint, 256 * geometry.block_bytes, kv_layers=layers, catalog=False,
-                            shared=SharedConfig(url, codec="none"))
-        try:
-            for round_, kind in enumerate(FORGERIES):
-                tokens = list(range(round_ * 100_000, round_ * 100_000 + per_kind * geometry.block_tokens))
-                keys = chain_block_hashes(tokens, geometry.block_tokens)
-                pipe = client.pipeline(transaction=False)
-                for i, key in enumerate(keys):
-                    payload = os.urandom(geometry.block_bytes)
-                    good = store.encode_value(namespace, key, torch.frombuffer(bytearray(payload), dtype=torch.uint8),
-                                              "none", fingerprint.digest)
-                    other = store.encode_value(namespace, os.urandom(32),
-                                               torch.frombuffer(bytearray(payload), dtype=torch.uint8), "none",
-                                               fingerprint.digest)
-                    pipe.set(block_key(namespace, key), forge(kind, good, other, store, namespace, key,
-                                                             fingerprint.digest, payload), ex=600)
-                pipe.execute()
-                # through the tier's own reads (each refused one is deleted: write them again after)
-                dests = [torch.empty(geometry.block_bytes, dtype=torch.uint8) for _ in keys]
-                outcomes = store.read_batch([(namespace, key, d) for key, d in zip(keys, dests)], fingerprint.digest)
-                served += sum(1 for o in outcomes if isinstance(o, tuple))
-                tried += len(keys)
-                progress(f"{kind}: {sum(1 for o in outcomes if isinstance(o, tuple))} of {len(keys)} served")
-            # and through an engine's fetch path: forged values under a prefix a request would ask for
-            tokens = list(range(9_000_000, 9_000_000 + 64 * geometry.block_tokens))
+
+    def write_forged(keys: list[bytes], kind_of: Callable[[int], str]) -> None:
+        """Under each key, a value forged the ``kind_of(position)`` way from a valid one."""
+        pipe = client.pipeline(transaction=False)
+        for i, key in enumerate(keys):
+            payload = os.urandom(geometry.block_bytes)
+            good, other = (store.encode_value(namespace, name, torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+                                              "none", fingerprint.digest) for name in (key, os.urandom(32)))
+            pipe.set(block_key(namespace, key), forge(kind_of(i), good, other, store, namespace, key,
+                                                     fingerprint.digest, payload), ex=600)
+        pipe.execute()
+
+    layers = [torch.zeros(CpuLayout(geometry).layer_shape(64), dtype=torch.bfloat16) for _ in range(2)]
+    engine = TierEngine(fingerprint, 256 * geometry.block_bytes, kv_layers=layers, catalog=False,
+                        shared=SharedConfig(url, codec="none"))
+    try:
+        for round_, kind in enumerate(FORGERIES):
+            tokens = list(range(round_ * 100_000, round_ * 100_000 + per_kind * geometry.block_tokens))
             keys = chain_block_hashes(tokens, geometry.block_tokens)
-            pipe = client.pipeline(transaction=False)
-            for i, key in enumerate(keys):
-                payload = os.urandom(geometry.block_bytes)
-                good = store.encode_value(namespace, key, torch.frombuffer(bytearray(payload), dtype=torch.uint8),
-                                          "none", fingerprint.digest)
-                other = store.encode_value(namespace, os.urandom(32), torch.frombuffer(bytearray(payload),
-                                                                                      dtype=torch.uint8),
-                                           "none", fingerprint.digest)
-                kind = FORGERIES[i % len(FORGERIES)]
-                if kind in ("empty", "truncated", "random"):  # a lookup would not even find these
-                    kind = "unknown_key"
-                pipe.set(block_key(namespace, key), forge(kind, good, other, store, namespace, key,
-                                                         fingerprint.digest, payload), ex=600)
-            pipe.execute()
-            fetched = engine.fetch(namespace, keys)  # one lookup finds them all, one FETCH job reads them
-            served += fetched
+            write_forged(keys, lambda _i, kind=kind: kind)
+            # through the tier's own reads (each refused value is deleted from the store)
+            dests = [torch.empty(geometry.block_bytes, dtype=torch.uint8) for _ in keys]
+            outcomes = store.read_batch([(namespace, key, d) for key, d in zip(keys, dests)], fingerprint.digest)
+            served += sum(1 for o in outcomes if isinstance(o, tuple))
             tried += len(keys)
-            progress(f"engine fetches of forged blocks: {fetched} of {len(keys)} served")
-        finally:
-            engine.close(write_back=False)
-            store.close()
-            client.close()
+            progress(f"{kind}: {sum(1 for o in outcomes if isinstance(o, tuple))} of {len(keys)} served")
+        # and through an engine's fetch path: forged values under a prefix a request would ask for
+        # (empty, truncated and random values a lookup would not even find: signed by a stranger instead)
+        tokens = list(range(9_000_000, 9_000_000 + 64 * geometry.block_tokens))
+        keys = chain_block_hashes(tokens, geometry.block_tokens)
+        write_forged(keys, lambda i: kind if (kind := FORGERIES[i % len(FORGERIES)]) not in
+                     ("empty", "truncated", "random") else "unknown_key")
+        fetched = engine.fetch(namespace, keys)  # one lookup finds them all, one FETCH job reads them
+        served += fetched
+        tried += len(keys)
+        progress(f"engine fetches of forged blocks: {fetched} of {len(keys)} served")
+    finally:
+        engine.close(write_back=False)
+        store.close()
+        client.close()
     return {"foreign_values_served": served, "_foreign_values_tried": tried}
