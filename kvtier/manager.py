@@ -109,6 +109,10 @@ class TierManager(SessionOps):
             self._read_catalog(catalog)
 
     # ---- small helpers ------------------------------------------------------------------------
+    def new_job_id(self) -> int:
+        """A job id no job has had (the admin API numbers its no-op answers from the same sequence)."""
+        return next(self._job_ids)
+
     def _new_job(self, kind: JobKind, **fields) -> Job:
         job = Job(job_id=next(self._job_ids), kind=kind, **fields)
         self.jobs[job.job_id] = job

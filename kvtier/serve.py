@@ -34,6 +34,8 @@ from pathlib import Path
 
 from kvtier.config import Settings
 from kvtier.errors import ConfigError, UsageError
+from kvtier.secrets import ADMIN_TOKEN_ENV
+from kvtier.units import human_bytes
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -137,33 +139,6 @@ def admin_socket_path(env: Mapping[str, str] | None = None, instance: str = "800
     return instance_socket(instance, env)
 
 
-ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
-
-
-def admin_token(token_file: str | None, env: Mapping[str, str] | None = None) -> str:
-    """The admin TCP listener's bearer token: from a file only its owner can read (``--admin-token-file``)
-    or from ``$KVTIER_ADMIN_TOKEN``; never from a command line, where ``ps`` shows it to every user.
-    It reaches the engine through vLLM's environment."""
-    env = os.environ if env is None else env
-    if token_file:
-        path = Path(token_file).expanduser()
-        try:
-            info = path.stat()
-            token = path.read_text().strip()
-        except OSError as exc:
-            raise UsageError(f"cannot read the admin token file {path}: {exc.strerror or exc}",
-                             hint="create it with a long random string, e.g. `openssl rand -hex 32 > FILE; "
-                                  "chmod 600 FILE`") from None
-        if info.st_mode & 0o077 or info.st_uid != os.getuid():
-            raise UsageError(f"the admin token file {path} can be read by other users",
-                             hint=f"chmod 600 {path} (and own it)")
-    else:
-        token = str(env.get(ADMIN_TOKEN_ENV, "")).strip()
-    if len(token) < 16:
-        raise UsageError("--admin-tcp needs a bearer token of at least 16 characters",
-                         hint=f"set {ADMIN_TOKEN_ENV} or pass --admin-token-file FILE (mode 600); "
-                              "`openssl rand -hex 32` makes one")
-    return token
 
 
 def check_admin_socket(path: str) -> None:
@@ -516,21 +491,13 @@ def _check_nvme_dir(settings: Settings, create: bool, running: Sequence = ()) ->
     others = _committed_elsewhere(nvme_dir, running)
     room = max(0, usage.free - others) + stored
     if settings.nvme_bytes > room:
-        promised = f", less {_human_bytes(others)} other kvtier instances may still fill" if others else ""
+        promised = f", less {human_bytes(others)} other kvtier instances may still fill" if others else ""
         raise ConfigError(
-            f"nvme budget {_human_bytes(settings.nvme_bytes)} is larger than the disk space kvtier can use "
-            f"in {raw}: {_human_bytes(usage.free)} free + {_human_bytes(stored)} already stored by kvtier{promised}",
-            hint=f"lower --nvme (at most {_human_bytes(room)} fits there), free disk space, "
+            f"nvme budget {human_bytes(settings.nvme_bytes)} is larger than the disk space kvtier can use "
+            f"in {raw}: {human_bytes(usage.free)} free + {human_bytes(stored)} already stored by kvtier{promised}",
+            hint=f"lower --nvme (at most {human_bytes(room)} fits there), free disk space, "
                  "or pass --nvme-dir on a bigger disk")
     return warnings
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _check_dram(settings: Settings) -> None:
@@ -539,8 +506,8 @@ def _check_dram(settings: Settings) -> None:
     available = psutil.virtual_memory().available
     if settings.dram_bytes > available:
         raise ConfigError(
-            f"dram budget {_human_bytes(settings.dram_bytes)} is more than this machine's available RAM "
-            f"({_human_bytes(available)})",
+            f"dram budget {human_bytes(settings.dram_bytes)} is more than this machine's available RAM "
+            f"({human_bytes(available)})",
             hint="lower --dram (leave room for vLLM and the model weights), e.g. --dram 4GiB")
 
 
@@ -834,7 +801,6 @@ def run_server(
 
 def flush_before_stop(socket_path: str, timeout_s: float, say: Say) -> None:
     """Write the server's dirty KV to NVMe through its admin API (``kvtier flush``), with progress."""
-    from kvtier.cli.output import human_bytes
     from kvtier.control.client import AdminClient
 
     client = AdminClient(socket_path, timeout=max(1.0, min(timeout_s, 30.0)))

@@ -199,7 +199,7 @@ def test_serving_under_load_chaos_and_disk_faults_matches_plain_vllm(tiny_model)
     if not (_shutil.which("unshare") and _shutil.which("nsenter")):
         pytest.skip("needs unshare and nsenter (util-linux)")
     pytest.importorskip("vllm")
-    from kvtier.plugins.vllm.bench_faults import run_serving_faults
+    from kvtier.bench.vllm.faults import run_serving_faults
 
     out = run_serving_faults(quick=True, progress=lambda _m: None, model=str(tiny_model))
     assert out["failed_requests_under_load"] == 0, out["_failures"]

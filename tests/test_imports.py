@@ -24,7 +24,8 @@ def imported_top_modules(path: Path) -> set[str]:
 
 
 def test_core_modules_never_import_vllm_or_textual():
-    core_files = [p for p in CORE.rglob("*.py") if not {"tui", "plugins"} & set(p.relative_to(CORE).parts)]
+    """(kvtier.bench runs real vLLM: a layer above the core, as the CLI is.)"""
+    core_files = [p for p in CORE.rglob("*.py") if not {"tui", "plugins", "bench", "cli"} & set(p.relative_to(CORE).parts)]
     assert len(core_files) > 10
     offenders = {str(p.relative_to(CORE)): imported_top_modules(p) & FORBIDDEN_IN_CORE for p in core_files}
     assert {k: v for k, v in offenders.items() if v} == {}
@@ -97,11 +98,11 @@ def test_every_package_directory_is_installed():
 
 
 def test_tui_only_talks_to_the_admin_client():
-    """tui -> kvtier.control (client, GPU telemetry, the instance registry) and the pure turn formatter
+    """tui -> kvtier.control (client, GPU telemetry, the instance registry), the pure turn formatter and units
     only: never vLLM, torch, or the tier manager itself."""
     tui = Path(kvtier.__file__).resolve().parents[1] / "tui"
     allowed_kvtier = {"kvtier.control.client", "kvtier.control.gpu", "kvtier.control.instances", "kvtier.errors",
-                      "kvtier.reasons", "kvtier.tui.model", "kvtier.tui.collector", "kvtier.tui.app"}
+                      "kvtier.reasons", "kvtier.units", "kvtier.tui.model", "kvtier.tui.collector", "kvtier.tui.app"}
     for path in tui.glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -113,3 +114,134 @@ def test_tui_only_talks_to_the_admin_client():
                     assert name in allowed_kvtier, (path.name, name)
     loaded = _modules_after("import kvtier.tui.app, kvtier.tui.collector")
     assert "textual" in loaded and not loaded & {"torch", "vllm"}
+
+
+# ---- the import graph: no cycles, layers point one way ------------------------------------------------
+SOURCE_ROOTS = {"kvtier": CORE, "kvtier.tui": CORE.parent / "tui", "kvtier.plugins": CORE.parent / "plugins"}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the installed package by its dotted name (tui/ and plugins/ live beside kvtier/)."""
+    out = {}
+    for package, root in SOURCE_ROOTS.items():
+        for path in root.rglob("*.py"):
+            if package == "kvtier" and {"tui", "plugins"} & set(path.relative_to(root).parts):
+                continue
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of the package ``name`` imports, lazy ones (inside functions) included, type-only ones
+    (``if TYPE_CHECKING:``) not: they never run."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    type_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            type_only.update(id(n) for child in node.body for n in ast.walk(child))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(anchor[: len(anchor) - node.level + 1] + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    resolved = set()
+    for module in found:  # "kvtier.x.y" counts as the deepest known module it names
+        while module and module not in known:
+            module = module.rpartition(".")[0]
+        if module and module != name:
+            resolved.add(module)
+    return resolved
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter[0]
+                    counter[0] += 1
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        out.append(sorted(component))
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_lazy_imports_included():
+    assert cycles(import_graph()) == []
+
+
+LAYERS = {  # a module of the left layer never imports one of the right
+    "core": {"kvtier.bench", "kvtier.plugins", "kvtier.tui", "kvtier.cli"},
+    "kvtier.control.api": {"kvtier.control.server"},
+    "kvtier.plugins": {"kvtier.bench", "kvtier.tui", "kvtier.cli"},
+}
+
+
+def _layer_of(module: str) -> str | None:
+    if module == "kvtier.control.api":
+        return module
+    if module.startswith("kvtier.plugins"):
+        return "kvtier.plugins"
+    if not module.startswith(("kvtier.bench", "kvtier.tui", "kvtier.cli", "kvtier.plugins")):
+        return "core"
+    return None
+
+
+def test_layers_point_one_way():
+    graph = import_graph()
+    wrong = {}
+    for module, deps in graph.items():
+        for layer in {"core", _layer_of(module)} if _layer_of(module) == "kvtier.control.api" else {_layer_of(module)}:
+            banned = LAYERS.get(layer, set())
+            bad = sorted(d for d in deps if any(d == b or d.startswith(b + ".") for b in banned))
+            if bad:
+                wrong[module] = bad
+    assert wrong == {}

@@ -378,7 +378,7 @@ def test_two_real_instances_tiny_by_hub_id_and_mid(run_env, tiny_model, mid_mode
     """A tiny model served by its hub id from an offline Hugging Face cache (a named instance) and the
     mid demo model (named by its port) on one box, sharing one --nvme-dir: both reachable, a taken
     name refused before vLLM starts, kvtier top shows both, their blocks never mix."""
-    from kvtier.plugins.vllm.served import Served
+    from kvtier.bench.vllm.served import Served
 
     lay_out_hub_cache(tmp_path / "hf", "kvtier-test/tiny-llama", tiny_model)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))

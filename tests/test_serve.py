@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app
-from kvtier.plugins.vllm.bench_faults import free_port
+from kvtier.bench.vllm.faults import free_port
 
 runner = CliRunner()
 GiB = 2**30

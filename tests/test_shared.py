@@ -314,7 +314,7 @@ def test_two_servers_continue_each_others_sessions(tiny_model, tmp_path, monkeyp
     from typer.testing import CliRunner
 
     from kvtier.cli.main import app
-    from kvtier.plugins.vllm.served import Served
+    from kvtier.bench.vllm.served import Served
 
     runner = CliRunner()
     for key in list(os.environ):

@@ -274,7 +274,7 @@ def test_long_prompt_with_chunked_prefill_stores_and_loads(tiny_model, tmp_path)
 def test_demo_restarts_the_real_server_and_the_session_comes_back(tiny_model, tmp_path, monkeypatch):
     # the seed's scenario end to end over real processes: kvtier serve, a session, snapshot, Ctrl-C,
     # a new kvtier serve on the same NVMe dir, the session listed at once, its next turn loads
-    from kvtier.plugins.vllm import demo
+    from kvtier.bench.vllm import demo
     from kvtier.snapshot import open_snapshot
 
     monkeypatch.setattr("kvtier.demo_model.ensure_demo_model", lambda size, progress=None: tiny_model)

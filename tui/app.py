@@ -20,6 +20,7 @@ from textual.widgets import DataTable, Footer, Input, Static
 from kvtier.control.client import AdminClient
 from kvtier.errors import KvtierError
 from kvtier.tui.model import SessionRow, Snapshot
+from kvtier.units import human_bytes
 
 __all__ = ["TopApp", "human_bytes", "human_rate"]
 
@@ -46,16 +47,6 @@ DRAM kvtier's pinned pool, NVMe its block store. Hits: share of
 prompt tokens each tier served since the server started. Links:
 kvtier's byte counters; PCIe from NVML; disk from the host.
 """
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "N/A"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def short_bytes(n: float | None) -> str:

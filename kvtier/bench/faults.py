@@ -26,7 +26,7 @@ be checked bit for bit without remembering what was stored.
   under another model or another tenant's cache salt.
 
 The load, ENOSPC-while-serving and recompute-equals-baseline parts run against real vLLM:
-``kvtier.plugins.vllm.bench_faults``.
+``kvtier.bench.vllm.faults``.
 """
 from __future__ import annotations
 
@@ -1087,7 +1087,7 @@ def run_faults_bench(quick: bool = False, progress: Callable[[str], None] = prin
     results["_pressure"] = pressure
     results["_hostile"] = hostile
     if vllm:
-        from kvtier.plugins.vllm.bench_faults import run_serving_faults
+        from kvtier.bench.vllm.faults import run_serving_faults
 
         serving = run_serving_faults(quick=quick, progress=progress)
         results.update(failed_requests_under_load=serving["failed_requests_under_load"],

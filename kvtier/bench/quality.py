@@ -13,7 +13,7 @@ Three measurements, no model hub needed:
    Keys go through the codec block by block (128 tokens), exactly as the tiers store them. Two
    reference quantizers that are not kvtier codecs show the known failures: ``int4-naive`` (one
    scale and zero point per block, per tensor) and ``int4-per-token`` (keys per token, like values).
-3. **Through vLLM** (``top1_agreement``, ``kl``): see ``kvtier.plugins.vllm.bench_quality``.
+3. **Through vLLM** (``top1_agreement``, ``kl``): see ``kvtier.bench.vllm.quality``.
 """
 from __future__ import annotations
 

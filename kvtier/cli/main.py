@@ -160,7 +160,9 @@ def serve(
         if host_part not in ("127.0.0.1", "::1", "[::1]", "localhost") or not port_part.isdigit():
             raise UsageError(f"--admin-tcp {admin_tcp!r} is not a loopback HOST:PORT",
                              hint="e.g. --admin-tcp 127.0.0.1:8100 (the admin API never listens beyond this box)")
-        token = srv.admin_token(admin_token_file)
+        from kvtier.secrets import admin_token
+
+        token = admin_token(admin_token_file)
     elif admin_token_file:
         raise UsageError("--admin-token-file needs --admin-tcp", hint="add --admin-tcp 127.0.0.1:PORT")
     if revision is not None and model is None:
@@ -247,7 +249,7 @@ def bench_serve(
 ) -> None:
     """Real vLLM: restored vs recomputed TTFT, decode and prefill overhead (mid demo model), and
     TP=2 outputs and restore TTFT against plain vLLM at TP=2 (tiny demo model)."""
-    from kvtier.plugins.vllm.bench_serve import SERVE_KEYS, run_serve_bench, tp2_figures
+    from kvtier.bench.vllm.serve import SERVE_KEYS, run_serve_bench, tp2_figures
 
     if tp2_only:
         run_vllm_bench("kvtier bench serve", tuple(k for k in SERVE_KEYS if k.startswith("tp2_")),
@@ -296,7 +298,7 @@ def bench_costmodel(
 ) -> None:
     """Cost-model predictions vs measured TTFT (restore, recompute), and a capped link on real vLLM."""
     from kvtier.errors import UsageError
-    from kvtier.plugins.vllm.bench_costmodel import COSTMODEL_KEYS, run_costmodel_bench
+    from kvtier.bench.vllm.costmodel import COSTMODEL_KEYS, run_costmodel_bench
 
     if size not in ("tiny", "mid"):
         raise UsageError(f"unknown --size {size!r}", hint="tiny or mid")
@@ -326,7 +328,7 @@ def bench_shared(
 ) -> None:
     """The shared tier (Valkey/Redis): against its own client, across two kvtier serve processes, with the
     store stopped, paused and restarted under load, and 600 forged values. Starts its own redis-server."""
-    from kvtier.plugins.vllm.bench_shared import SHARED_KEYS, run_shared_bench
+    from kvtier.bench.vllm.shared import SHARED_KEYS, run_shared_bench
 
     run_vllm_bench("kvtier bench shared", SHARED_KEYS, lambda progress: run_shared_bench(quick=quick, progress=progress),
                    json_out)
@@ -339,7 +341,7 @@ def bench_restart(
     quick: bool = typer.Option(False, "--quick", help="2k-token sessions, a 3 s write-behind window, one A/B round."),
 ) -> None:
     """Sessions across a stop and a SIGKILL of real kvtier serve processes; catalog start-up; overhead."""
-    from kvtier.plugins.vllm.bench_restart import RESTART_KEYS, run_restart_bench
+    from kvtier.bench.vllm.restart import RESTART_KEYS, run_restart_bench
 
     run_vllm_bench("kvtier bench restart", RESTART_KEYS,
                    lambda progress: run_restart_bench(quick=quick, progress=progress), json_out)
@@ -381,7 +383,7 @@ def bench_quality(
     progress = bench_progress(json_out)
     captured, per_codec, context = None, {}, {}
     if vllm:
-        from kvtier.plugins.vllm.bench_quality import run_vllm_quality
+        from kvtier.bench.vllm.quality import run_vllm_quality
 
         with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
             out = run_vllm_quality(QUALITY_CODECS, quick=quick, progress=progress)
@@ -421,7 +423,7 @@ def demo(
 ) -> None:
     """The overnight scenario on real kvtier serve processes: long session, snapshot, Ctrl-C, a new
     server on the same NVMe dir, the session listed at once, its next turn loads instead of recomputing."""
-    from kvtier.plugins.vllm.demo import run_demo
+    from kvtier.bench.vllm.demo import run_demo
 
     import contextlib
     import sys

@@ -14,6 +14,8 @@ import typer
 
 from kvtier.errors import KvtierError, exit_code_for, render_error
 
+from kvtier.units import human_bytes  # noqa: F401 - the CLI's commands import it from here
+
 __all__ = ["handle_errors", "emit_json", "print_table", "human_bytes", "emit_bench", "bench_progress"]
 
 
@@ -46,14 +48,6 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
     for row in rows:
         table.add_row(*(str(cell) for cell in row))
     Console(file=sys.stdout).print(table)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def bench_progress(json_out: bool) -> Callable[[str], None]:

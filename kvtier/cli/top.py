@@ -99,7 +99,8 @@ def register(app: typer.Typer) -> None:
 def _print_once(snapshot, json_out: bool) -> None:
     from dataclasses import asdict
 
-    from kvtier.tui.app import human_bytes, human_rate, idle_text
+    from kvtier.tui.app import human_rate, idle_text
+    from kvtier.units import human_bytes
 
     if json_out:
         emit_json(asdict(snapshot))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvtier.codecs import fast
+import kvtier.codecs.fast as fast  # not "from kvtier.codecs": the package imports this module
 from kvtier.codecs.base import FLAG_SINK, PREAMBLE, Codec, pack_preamble, read_preamble
 from kvtier.errors import CorruptBlockError
 

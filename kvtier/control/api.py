@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from kvtier.control.server import API_VERSION, ApiError, resolve_snapshot_path
+from kvtier.control.ops import API_VERSION, ApiError, resolve_snapshot_path
 from kvtier.errors import NotFoundError
 from kvtier.index import Tier, validate_session_id
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.control.server import Ops
+    from kvtier.control.ops import Ops
 
 __all__ = ["handle", "metrics", "OPENAPI"]
 

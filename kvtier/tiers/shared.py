@@ -43,7 +43,6 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
@@ -118,18 +117,14 @@ def load_credentials(auth_file: str | None = None, env: Mapping[str, str] | None
     password; mode 600 required) or ``KVTIER_SHARED_USERNAME`` / ``KVTIER_SHARED_PASSWORD``."""
     env = os.environ if env is None else env
     if auth_file:
-        path = Path(auth_file).expanduser()
-        try:
-            mode = path.stat().st_mode
-            lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-        except OSError as exc:
-            raise ConfigError(f"cannot read --shared-auth-file {path}: {exc.strerror or exc}",
-                              hint="a file with the password (or a user name line, then the password)") from None
-        if mode & 0o077:
-            raise ConfigError(f"--shared-auth-file {path} can be read by other users", hint=f"chmod 600 {path}")
+        from kvtier.secrets import read_private_file
+
+        text = read_private_file(auth_file, "--shared-auth-file",
+                                 "a file with the password (or a user name line, then the password), mode 600")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
         if len(lines) not in (1, 2):
-            raise ConfigError(f"--shared-auth-file {path}: expected 1 line (password) or 2 (user name, password), "
-                              f"found {len(lines)}", hint="one value per line, nothing else")
+            raise ConfigError(f"--shared-auth-file {auth_file}: expected 1 line (password) or 2 (user name, "
+                              f"password), found {len(lines)}", hint="one value per line, nothing else")
         return (lines[0] if len(lines) == 2 else env.get("KVTIER_SHARED_USERNAME") or None), lines[-1]
     return env.get("KVTIER_SHARED_USERNAME") or None, env.get("KVTIER_SHARED_PASSWORD") or None
 

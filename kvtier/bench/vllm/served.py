@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvtier.plugins.vllm.bench_faults import free_port, wait_ready
+from kvtier.bench.vllm.faults import free_port, wait_ready
 
 __all__ = ["Served"]
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from kvtier.plugins.vllm.served import Served
+from kvtier.bench.vllm.served import Served
 
 __all__ = ["RESTART_KEYS", "run_restart_bench", "catalog_start_ms"]
 
@@ -170,7 +170,7 @@ def serving_overhead(model: str, base: Path, pairs: int, tokens: int, window: st
     then written while it is on, which counts against "on"."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvtier.plugins.vllm.harness import Engine, cpu_environment
+    from kvtier.bench.vllm.harness import Engine, cpu_environment
 
     from kvtier.serve import is_cpu_only
 

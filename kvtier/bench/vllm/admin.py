@@ -10,9 +10,9 @@ __all__ = ["run_vllm_load_latency"]
 
 
 def run_vllm_load_latency(seconds: float, progress: Callable[[str], None]) -> dict:
-    from kvtier.bench.admin import EchoServer, latency_figures, latency_in_subprocess
+    from kvtier.bench.latency import EchoServer, latency_figures, latency_in_subprocess
     from kvtier.demo_model import ensure_demo_model
-    from kvtier.plugins.vllm.harness import Engine, cpu_environment
+    from kvtier.bench.vllm.harness import Engine, cpu_environment
 
     cpu_environment()
     model = str(ensure_demo_model("tiny", progress=progress))

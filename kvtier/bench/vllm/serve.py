@@ -61,7 +61,7 @@ def served_decode(model: str, base: Path, tokens: int, rounds: int = 5, alternat
     side's figure is the median of all its requests."""
     import statistics
 
-    from kvtier.plugins.vllm.served import Served
+    from kvtier.bench.vllm.served import Served
 
     rates: dict[bool, list[float]] = {False: [], True: []}
     prefill: dict[bool, list[float]] = {False: [], True: []}
@@ -111,7 +111,7 @@ def tp2_figures(quick: bool = False, progress: Callable[[str], None] = print) ->
     import urllib.request
 
     from kvtier.demo_model import ensure_demo_model
-    from kvtier.plugins.vllm.served import Served
+    from kvtier.bench.vllm.served import Served
 
     model = str(ensure_demo_model("tiny", progress=lambda m: progress(m)))
     count, tokens = (2, 8000) if quick else (3, 16000)  # long enough that recompute is not the step floor
@@ -164,7 +164,7 @@ def tp2_figures(quick: bool = False, progress: Callable[[str], None] = print) ->
 def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print, tp2: bool = True) -> dict:
     from kvtier.demo_model import ensure_demo_model
     from kvtier.index import Tier
-    from kvtier.plugins.vllm.harness import Engine, cpu_environment
+    from kvtier.bench.vllm.harness import Engine, cpu_environment
 
     cpu_environment()
     sizes = {"4k": 4096, "16k": 4096 if quick else 16384}

@@ -94,7 +94,7 @@ def _captured_blocks(nvme_dir: Path, fingerprint, limit: int = 16):
 def run_vllm_quality(codecs, quick: bool = False, progress: Callable[[str], None] = print) -> dict:
     from kvtier.codecs import resolve_codec
     from kvtier.demo_model import ensure_demo_model
-    from kvtier.plugins.vllm.harness import Engine, cpu_environment
+    from kvtier.bench.vllm.harness import Engine, cpu_environment
 
     cpu_environment()
     model = str(ensure_demo_model("tiny", progress=progress))
