@@ -74,39 +74,30 @@ Say = Callable[[str], None]
 
 # ---- connector config ------------------------------------------------------------------------
 def build_kv_transfer_config(settings: Settings, model_id: str, api_url: str | None = None,
-                             admin_socket: str | None = None, admin_tcp: str | None = None) -> dict:
-    """The ``--kv-transfer-config`` object: which connector to load and the settings it reads (no
-    secret: it is on vLLM's command line)."""
-    admin = {"admin_socket": admin_socket, "snapshot_dir": str(settings.snapshot_dir)} if admin_socket else {}
-    if admin_tcp:
-        admin["admin_tcp"] = admin_tcp
-    if api_url:
-        admin["api_url"] = api_url
+                             admin_socket: str | None = None, admin_tcp: str | None = None, **identity) -> dict:
+    """The ``--kv-transfer-config`` object: which connector to load and its settings, written by
+    ``ConnectorConfig.to_extra`` (no secret: it is on vLLM's command line). ``identity``: instance,
+    revision, commit."""
+    from kvtier.connector_config import ConnectorConfig
+
+    shared = {"shared": settings.shared, "shared_policy": settings.shared_policy,
+              "shared_codec": settings.shared_codec, "shared_ttl_s": int(settings.shared_ttl),
+              "shared_auth_file": settings.shared_auth_file or None,
+              "shared_ca_file": settings.shared_ca_file or None} if settings.shared else {}
+    config = ConnectorConfig(
+        dram_bytes=int(settings.dram_bytes), nvme_dir=str(settings.nvme_dir), nvme_bytes=int(settings.nvme_bytes),
+        policy=settings.policy, high_watermark=float(settings.high_watermark),
+        low_watermark=float(settings.low_watermark), io_threads=int(settings.io_threads),
+        direct_io=settings.direct_io, warm_codec=settings.warm_codec, cold_codec=settings.cold_codec,
+        link_gbps=settings.link_gbps, write_behind=settings.write_behind, model_id=model_id,
+        admin_socket=admin_socket, snapshot_dir=str(settings.snapshot_dir) if admin_socket else None,
+        admin_tcp=admin_tcp, api_url=api_url, **shared, **{k: v for k, v in identity.items() if v})
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "dram_bytes": int(settings.dram_bytes),
-            "nvme_dir": str(settings.nvme_dir),
-            "nvme_bytes": int(settings.nvme_bytes),
-            "policy": settings.policy,
-            "high_watermark": float(settings.high_watermark),
-            "low_watermark": float(settings.low_watermark),
-            "io_threads": int(settings.io_threads),
-            "direct_io": settings.direct_io,
-            "warm_codec": settings.warm_codec,
-            "cold_codec": settings.cold_codec,
-            "link_gbps": settings.link_gbps,
-            "write_behind": settings.write_behind,
-            **({"shared": settings.shared, "shared_policy": settings.shared_policy,
-                "shared_codec": settings.shared_codec, "shared_ttl_s": int(settings.shared_ttl),
-                "shared_auth_file": settings.shared_auth_file or None,
-                "shared_ca_file": settings.shared_ca_file or None} if settings.shared else {}),
-            "model_id": model_id,
-            **admin,
-        },
+        "kv_connector_extra_config": config.to_extra(),
     }
 
 
@@ -576,14 +567,10 @@ def vllm_command(
         if flag in _OWNED_FLAGS:
             raise UsageError(f"{flag} is set by kvtier serve; do not pass it after `--`",
                              hint=f"use kvtier's own {_OWNED_FLAGS[flag]} instead")
+    # commit: a hub id resolved in the local cache, the snapshot it will load
     config = build_kv_transfer_config(settings, model_id_for(model_path, extra), api_url(host, port),
-                                      admin_socket or admin_socket_path(base_env, instance or str(port)), admin_tcp)
-    extra_config = config["kv_connector_extra_config"]
-    extra_config["instance"] = instance or str(port)
-    if revision:
-        extra_config["revision"] = revision
-    if commit:  # a hub id resolved in the local cache: the snapshot it will load
-        extra_config["commit"] = commit
+                                      admin_socket or admin_socket_path(base_env, instance or str(port)), admin_tcp,
+                                      instance=instance or str(port), revision=revision, commit=commit)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_path), "--host", host, "--port", str(port),
            "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]

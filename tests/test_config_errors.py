@@ -322,3 +322,25 @@ def test_codecs_from_env_and_toml_are_checked(isolated: dict[str, str], tmp_path
     with pytest.raises(ConfigError) as err:
         load_settings(env=isolated, toml_path=path)
     assert "cold_codec" in err.value.message
+
+
+# ---- the connector's config: parsed once, the same keys both ways -----------------------------------
+def test_connector_config_round_trips_and_refuses_typos():
+    from kvtier.config import Settings
+    from kvtier.connector_config import ConnectorConfig
+    from kvtier.serve import build_kv_transfer_config
+
+    extra = build_kv_transfer_config(Settings(), "tiny", "http://127.0.0.1:8000/v1", "/run/kvtier/a.sock",
+                                     instance="a")["kv_connector_extra_config"]
+    config = ConnectorConfig.from_extra(extra)
+    assert config.to_extra() == extra
+    assert (config.high_watermark, config.low_watermark, config.dram_bytes) == \
+        (Settings().high_watermark, Settings().low_watermark, Settings().dram_bytes)  # one set of defaults
+    assert ConnectorConfig.from_extra({"catalog": "off", "io_threads": "4", "nvme_dir": ""}).catalog is False
+    assert ConnectorConfig.from_extra({"io_threads": "4"}).io_threads == 4
+    assert ConnectorConfig.from_extra({"nvme_dir": ""}).nvme_dir is None
+    assert ConnectorConfig.from_extra({"dram_bytes": 8 << 30}).shard_budgets(2) == (4 << 30, 0)
+    with pytest.raises(ConfigError, match="unknown kvtier connector setting.*high_watermak"):
+        ConnectorConfig.from_extra({"high_watermak": 0.8})
+    with pytest.raises(ConfigError, match="io_threads"):
+        ConnectorConfig.from_extra({"io_threads": "many"})

@@ -487,8 +487,10 @@ def test_the_admin_token_file_must_be_private(env, model_dir, tmp_path):
 
 def test_the_engine_takes_the_admin_token_from_its_environment():
     pytest.importorskip("vllm")
+    from kvtier.connector_config import ConnectorConfig
     from kvtier.plugins.vllm.scheduler import admin_token_of
 
-    assert admin_token_of({"admin_tcp": "127.0.0.1:1"}, {"KVTIER_ADMIN_TOKEN": "from-env"}) == "from-env"
-    assert admin_token_of({"admin_token": "legacy"}, {}) == "legacy"
-    assert admin_token_of({}, {}) is None
+    parse = ConnectorConfig.from_extra
+    assert admin_token_of(parse({"admin_tcp": "127.0.0.1:1"}), {"KVTIER_ADMIN_TOKEN": "from-env"}) == "from-env"
+    assert admin_token_of(parse({"admin_token": "legacy"}), {}) == "legacy"
+    assert admin_token_of(parse({}), {}) is None

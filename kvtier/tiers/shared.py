@@ -142,16 +142,15 @@ class SharedConfig:
     ca_file: str | None = None
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> "SharedConfig | None":
-        url = extra.get("shared")
-        if not url:
+    def from_connector(cls, config) -> "SharedConfig | None":
+        """From the connector's ``kvtier.connector_config.ConnectorConfig`` (None: no shared tier)."""
+        if not config.shared:
             return None
-        policy = str(extra.get("shared_policy", "write-through"))
-        if policy not in SHARED_POLICIES:
-            raise ConfigError(f"unknown shared policy {policy!r}", hint=f"one of: {', '.join(SHARED_POLICIES)}")
-        return cls(parse_shared_url(str(url)), policy, int(extra.get("shared_ttl_s", 24 * 3600)),
-                   float(extra.get("shared_timeout_s", 0.5)), str(extra.get("shared_codec", "none+zstd")),
-                   extra.get("shared_auth_file") or None, extra.get("shared_ca_file") or None)
+        if config.shared_policy not in SHARED_POLICIES:
+            raise ConfigError(f"unknown shared policy {config.shared_policy!r}",
+                              hint=f"one of: {', '.join(SHARED_POLICIES)}")
+        return cls(parse_shared_url(config.shared), config.shared_policy, config.shared_ttl_s, config.shared_timeout_s,
+                   config.shared_codec, config.shared_auth_file, config.shared_ca_file)
 
 
 # ---- keys ----------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvtier.connector_config import ConnectorConfig
 from kvtier.jobs import Job, JobResult
 from kvtier.plugins.vllm.geometry import check_supported, fingerprint_from_vllm, parallel_of, warn_untested_vllm
 
@@ -58,22 +59,22 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)  # parsed once
         check_supported(vllm_config, kv_cache_config)  # one clear error at start, not a traceback per step
-        fingerprint = fingerprint_from_vllm(vllm_config, extra)
+        fingerprint = fingerprint_from_vllm(vllm_config, config.model_id)
         self._scheduler = self._worker = None
         self.step_seconds = 0.0  # time spent in this half's calls on steps that run a forward pass
         if role == KVConnectorRole.SCHEDULER:
             from kvtier.plugins.vllm.scheduler import KVTierScheduler
 
-            self._scheduler = KVTierScheduler(vllm_config, fingerprint, extra)
+            self._scheduler = KVTierScheduler(vllm_config, fingerprint, config)
             untested = warn_untested_vllm()
             if untested:
                 self._scheduler.manager.warnings["vllm_version"] = untested
         else:
             from kvtier.plugins.vllm.worker import KVTierWorker
 
-            self._worker = KVTierWorker(fingerprint, extra, rank=parallel_of(vllm_config)[0])
+            self._worker = KVTierWorker(fingerprint, config, rank=parallel_of(vllm_config)[0])
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

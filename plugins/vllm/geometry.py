@@ -18,7 +18,7 @@ from kvtier.errors import ConfigError
 from kvtier.layout import KVGeometry, ModelFingerprint
 
 __all__ = ["TESTED_VLLM", "check_supported", "fingerprint_from_vllm", "kv_dtype_name", "layout_name",
-           "parallel_of", "shard_budgets", "warn_untested_vllm"]
+           "parallel_of", "warn_untested_vllm"]
 
 log = logging.getLogger("kvtier.connector")
 
@@ -101,7 +101,7 @@ def warn_untested_vllm() -> str | None:
     return message
 
 
-def fingerprint_from_vllm(vllm_config: Any, extra: dict) -> ModelFingerprint:
+def fingerprint_from_vllm(vllm_config: Any, model_id: str | None = None) -> ModelFingerprint:
     """The engine's fingerprint (``rank`` None); a worker takes ``.for_rank(rank)`` of it."""
     model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
     geometry = KVGeometry(
@@ -111,7 +111,7 @@ def fingerprint_from_vllm(vllm_config: Any, extra: dict) -> ModelFingerprint:
         block_tokens=vllm_config.cache_config.block_size,
         dtype=kv_dtype_name(vllm_config),
     )
-    model_id = str(extra.get("model_id") or model_config.model)
+    model_id = str(model_id or model_config.model)
     from vllm.platforms import current_platform
 
     from kvtier.weights import weights_identity
@@ -124,13 +124,6 @@ def fingerprint_from_vllm(vllm_config: Any, extra: dict) -> ModelFingerprint:
     _, shards = parallel_of(vllm_config)
     return ModelFingerprint(f"{model_id}@{current_platform.device_type}", geometry, weights, shards=shards,
                             kv_scales=scales)
-
-
-def shard_budgets(extra: dict, shards: int) -> tuple[int, int]:
-    """(DRAM bytes, NVMe bytes) of one rank: the budgets are the box's, split across the ranks
-    (each rank's arena and files hold its own shard of every block)."""
-    dram, nvme = int(extra.get("dram_bytes", 4 << 30)), int(extra.get("nvme_bytes", 0) or 0)
-    return dram // max(1, shards), nvme // max(1, shards)
 
 
 def layout_name(kv_layer: Any) -> str:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import write_behind_seconds
+from kvtier.connector_config import ConnectorConfig
 from kvtier.costmodel import CostModel, DEFAULT_RATES, measure_rates, parse_link_caps
 from kvtier.decide import LoadCandidate, blocks_to_load, worth_keeping
 from kvtier.index import IN_DRAM, namespace_of, validate_session_id
@@ -42,7 +43,7 @@ from kvtier.layout import ModelFingerprint
 from kvtier.manager import TierManager
 from kvtier.tiers.nvme import scan_shards
 from kvtier.plugins.vllm import turns
-from kvtier.plugins.vllm.geometry import VllmBlockKeys, shard_budgets
+from kvtier.plugins.vllm.geometry import VllmBlockKeys
 
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "session_of", "wait_until_quiet"]
 
@@ -61,12 +62,12 @@ def session_of(request: Any) -> str:
     return f"anon-{bytes(hashes[0]).hex()[:16]}" if hashes else f"anon-{request.request_id}"[:128]
 
 
-def admin_token_of(extra: dict, environ: Any = None) -> str | None:
+def admin_token_of(config: ConnectorConfig, environ: Any = None) -> str | None:
     """The admin TCP bearer token: from the engine's environment (``kvtier serve`` puts it there,
     never on vLLM's command line), else an ``admin_token`` in the connector config of a hand-written
     vLLM command line."""
     environ = os.environ if environ is None else environ
-    return environ.get("KVTIER_ADMIN_TOKEN") or extra.get("admin_token")
+    return environ.get("KVTIER_ADMIN_TOKEN") or config.admin_token
 
 
 def wait_until_quiet(idle_for: Any, stopping: threading.Event, quiet_s: float, patience_s: float) -> bool | None:
@@ -114,42 +115,42 @@ class RequestState:
 
 
 class KVTierScheduler:
-    def __init__(self, vllm_config: Any, fingerprint: ModelFingerprint, extra: dict):
+    def __init__(self, vllm_config: Any, fingerprint: ModelFingerprint, config: ConnectorConfig):
         self.fingerprint = fingerprint
         self.block_tokens = fingerprint.geometry.block_tokens
         self.shards = fingerprint.shards  # tensor-parallel ranks: each reports every job
-        dram_bytes, nvme_bytes = shard_budgets(extra, self.shards)  # per rank: the manager plans one rank's slots
-        nvme_dir = extra.get("nvme_dir")
+        self.config = config
+        dram_bytes, nvme_bytes = config.shard_budgets(self.shards)  # per rank: the manager plans one rank's slots
+        nvme_dir = config.nvme_dir
         records, removed = [], 0
         cold_dir = nvme_dir if nvme_dir and nvme_bytes else None  # the NVMe tier's dir, when it is on
         if cold_dir:
-            records, removed = scan_shards(nvme_dir, nvme_bytes, self.shards, str(extra.get("direct_io", "auto")))
-        use_catalog = str(extra.get("catalog", "true")).lower() not in ("0", "false", "no", "off")
-        self.catalog, catalog_problem = self._open_catalog(cold_dir if use_catalog else None, fingerprint)
+            records, removed = scan_shards(nvme_dir, nvme_bytes, self.shards, config.direct_io)
+        self.catalog, catalog_problem = self._open_catalog(cold_dir if config.catalog else None, fingerprint)
         self.manager = TierManager(
             fingerprint,
             dram_bytes=dram_bytes,
             nvme_bytes=nvme_bytes if nvme_dir else 0,
-            policy=str(extra.get("policy", "lru")),
-            high_watermark=float(extra.get("high_watermark", 0.90)),
-            low_watermark=float(extra.get("low_watermark", 0.75)),
+            policy=config.policy,
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
             nvme_records=records,
-            warm_codec=str(extra.get("warm_codec", "none")),
-            cold_codec=str(extra.get("cold_codec", "none")),
+            warm_codec=config.warm_codec,
+            cold_codec=config.cold_codec,
             nvme_removed_at_start=removed,
             catalog=self.catalog,
         )
         if catalog_problem:
             self.manager.warnings["catalog"] = catalog_problem
-        self.write_behind_s = write_behind_seconds(extra.get("write_behind", "10")) if cold_dir else None
-        self.cost = self._cost_model(extra, cold_dir)
+        self.write_behind_s = write_behind_seconds(config.write_behind) if cold_dir else None
+        self.cost = self._cost_model(cold_dir)
         self.manager.cost = self.cost  # demotion asks it too
         self.manager.block_keys = VllmBlockKeys(vllm_config, self.block_tokens)  # restores recompute keys with it
         self._stopping = threading.Event()
         self._last_step = 0.0  # monotonic time of the last step start or end: the rate refresher waits for quiet
-        refresh_s = float(extra.get("rates_refresh_s", 300))
-        if refresh_s > 0 and self._measuring(extra):
-            threading.Thread(target=self._refresh_rates, args=(extra, cold_dir, refresh_s), name="kvtier-rates",
+        refresh_s = config.rates_refresh_s
+        if refresh_s > 0 and config.measure_links:
+            threading.Thread(target=self._refresh_rates, args=(cold_dir, refresh_s), name="kvtier-rates",
                              daemon=True).start()
         self.requests: dict[str, RequestState] = {}
         self._ranks = RankMerger(self.shards)  # a job is applied once every rank reported it
@@ -166,21 +167,21 @@ class KVTierScheduler:
         self.ops = None
         self.admin = None
         self._hbm_capacity_blocks = getattr(getattr(vllm_config, "cache_config", None), "num_gpu_blocks", None)
-        self._api_url = extra.get("api_url")
-        self._served_name = str(extra.get("model_id") or fingerprint.model_id.rpartition("@")[0])
+        self._api_url = config.api_url
+        self._served_name = str(config.model_id or fingerprint.model_id.rpartition("@")[0])
         self._waking = threading.Lock()
         self.shared = None  # the shared tier's scheduler side: lookups, fetches, session entries
         from kvtier.tiers.shared import SharedConfig
 
-        shared_config = SharedConfig.from_extra(extra)
+        shared_config = SharedConfig.from_connector(config)
         if shared_config is not None:
             from kvtier.plugins.vllm.shared import SharedLookups
 
-            self.shared = SharedLookups(self, shared_config, box=str(extra.get("instance") or os.uname().nodename))
-        if extra.get("admin_socket"):
-            self._start_admin(extra)
+            self.shared = SharedLookups(self, shared_config, box=str(config.instance or os.uname().nodename))
+        if config.admin_socket:
+            self._start_admin(config)
         self.catalog_paused = threading.Event()  # `kvtier bench restart`: the same engine with it off
-        threading.Thread(target=self._keep_catalog, args=(float(extra.get("catalog_interval_s", 1.0)),),
+        threading.Thread(target=self._keep_catalog, args=(config.catalog_interval_s,),
                          name="kvtier-catalog", daemon=True).start()
 
     # ---- durability -----------------------------------------------------------------------------
@@ -217,13 +218,13 @@ class KVTierScheduler:
                 poked_at = time.monotonic()
                 self.poke()
 
-    def _cost_model(self, extra: dict, nvme_dir: str | None) -> CostModel:
+    def _cost_model(self, nvme_dir: str | None) -> CostModel:
         """Measured link rates (at start; ``link_gbps`` caps them) and a prefill model that the
         engine's own step timings fit as it serves."""
         from kvtier.codecs import get_codec
 
-        caps = parse_link_caps(extra.get("link_gbps"))
-        if not self._measuring(extra):
+        caps = parse_link_caps(self.config.link_gbps)
+        if not self.config.measure_links:
             rates = DEFAULT_RATES.capped(caps)
         else:
             try:
@@ -239,17 +240,13 @@ class KVTierScheduler:
                  rates.nvme_read_bps / 1e9, rates.source)
         return model
 
-    @staticmethod
-    def _measuring(extra: dict) -> bool:
-        return str(extra.get("measure_links", "true")).lower() not in ("0", "false", "no")
-
-    def _refresh_rates(self, extra: dict, nvme_dir: str | None, every_s: float) -> None:
+    def _refresh_rates(self, nvme_dir: str | None, every_s: float) -> None:
         """Re-measure the links every ``every_s`` seconds while serving (a link can degrade: PCIe
         falls back a generation, a disk fills or throttles). Caps still apply. A measurement copies
         and reads tens of MB: it waits for a quiet engine, so that it neither slows a forward pass
         nor measures a link that a forward pass is using; after another period of waiting it runs
         anyway (a box that is never idle still gets fresh figures)."""
-        caps = parse_link_caps(extra.get("link_gbps"))
+        caps = parse_link_caps(self.config.link_gbps)
         while not self._stopping.wait(every_s):
             quiet = wait_until_quiet(self._idle_for, self._stopping, quiet_s=min(1.0, every_s), patience_s=every_s)
             if quiet is None:
@@ -305,20 +302,20 @@ class KVTierScheduler:
             self.cost.observe_prefill(shape[0], shape[1], time.perf_counter() - started)
 
     # ---- admin API ------------------------------------------------------------------------------
-    def _start_admin(self, extra: dict) -> None:
+    def _start_admin(self, config: ConnectorConfig) -> None:
         from kvtier.control.server import AdminServer, Ops
 
         info = {"model": self.fingerprint.model_id, "api_url": self._api_url, "kv_dtype": self.fingerprint.geometry.dtype,
-                "block_tokens": self.block_tokens, "instance": extra.get("instance"),
-                "revision": extra.get("revision"), "commit": extra.get("commit"), "weights": self.fingerprint.weights}
-        self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, extra.get("snapshot_dir"), info, hbm=self.hbm_usage,
+                "block_tokens": self.block_tokens, "instance": config.instance,
+                "revision": config.revision, "commit": config.commit, "weights": self.fingerprint.weights}
+        self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, config.snapshot_dir, info, hbm=self.hbm_usage,
                        cost=self.cost, shared=self.shared)
         tcp = None
-        if extra.get("admin_tcp"):
-            host, _, port = str(extra["admin_tcp"]).rpartition(":")
+        if config.admin_tcp:
+            host, _, port = config.admin_tcp.rpartition(":")
             tcp = (host or "127.0.0.1", int(port))
         try:
-            self.admin = AdminServer(self.ops, extra["admin_socket"], tcp, admin_token_of(extra)).start()
+            self.admin = AdminServer(self.ops, config.admin_socket, tcp, admin_token_of(config)).start()
         except Exception as exc:  # the engine still serves; only the admin plane is missing
             log.error("kvtier: admin API not started: %s", exc)
 

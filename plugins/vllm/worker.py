@@ -31,13 +31,14 @@ import time
 from typing import Any
 
 from kvtier.config import write_behind_seconds
+from kvtier.connector_config import ConnectorConfig
 from kvtier.jobs import Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint, adapter_for
 from kvtier.mover import Mover
 from kvtier.codecs import get_codec, resolve_codec
 from kvtier.tiers.dram import DramArena, SlotAllocator
 from kvtier.tiers.nvme import NvmeStore, shard_dir
-from kvtier.plugins.vllm.geometry import layout_name, shard_budgets
+from kvtier.plugins.vllm.geometry import layout_name
 
 __all__ = ["KVTierWorker"]
 
@@ -56,10 +57,10 @@ def _layer_index(name: str) -> int:
 
 
 class KVTierWorker:
-    def __init__(self, fingerprint: ModelFingerprint, extra: dict, rank: int = 0):
+    def __init__(self, fingerprint: ModelFingerprint, config: ConnectorConfig, rank: int = 0):
         self.rank, self.shards = rank, fingerprint.shards
         self.fingerprint = fingerprint.for_rank(rank) if self.shards > 1 else fingerprint  # its files carry it
-        self.extra = extra
+        self.config = config
         self._lock = threading.Lock()  # the transfer bookkeeping below (mover threads finish jobs)
         self._stores_of: dict[str, set[int]] = {}  # request -> its STORE jobs still running on this rank
         self._awaiting_stores: set[str] = set()  # finished requests whose blocks vLLM holds for our stores
@@ -75,7 +76,7 @@ class KVTierWorker:
         self._applied = None
         from kvtier.costmodel import parse_link_caps
 
-        self._caps = parse_link_caps(extra.get("link_gbps"))  # an emulated slow link (demos, benchmarks)
+        self._caps = parse_link_caps(config.link_gbps)  # an emulated slow link (demos, benchmarks)
         self._stopping = threading.Event()
         self._writer: threading.Thread | None = None
         self.write_behind_paused = threading.Event()  # `kvtier bench restart`: the same engine with it off
@@ -85,14 +86,14 @@ class KVTierWorker:
         names = sorted(kv_caches, key=_layer_index)
         layers = [kv_caches[name] for name in names]
         geometry = self.fingerprint.geometry
-        warm = get_codec(resolve_codec(str(self.extra.get("warm_codec", "none")), geometry))
-        dram_bytes, nvme_bytes = shard_budgets(self.extra, self.shards)
+        warm = get_codec(resolve_codec(self.config.warm_codec, geometry))
+        dram_bytes, nvme_bytes = self.config.shard_budgets(self.shards)
         slots = SlotAllocator(dram_bytes, warm.max_bytes(geometry))  # the same slots as the scheduler's
         arena = DramArena.for_allocator(slots)
-        nvme_dir = self.extra.get("nvme_dir")
+        nvme_dir = self.config.nvme_dir
         if nvme_dir and nvme_bytes:
             self.nvme = NvmeStore(shard_dir(nvme_dir, self.rank, self.shards), nvme_bytes,
-                                  int(self.extra.get("io_threads", 8)), str(self.extra.get("direct_io", "auto")),
+                                  self.config.io_threads, self.config.direct_io,
                                   rank=self.rank)
         adapter = adapter_for(layout_name(layers[0]), geometry)
         self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers, rank=self.rank, shards=self.shards,
@@ -102,7 +103,7 @@ class KVTierWorker:
                 JobResult(job_id=-1, kind=JobKind.STORE, ok=True, rank=self.rank, shared=stats))
         log.info("kvtier worker rank %d/%d: %d KV layers (%s layout), DRAM arena %d MiB%s", self.rank, self.shards,
                  len(layers), adapter.name, arena.buffer.numel() >> 20, " (pinned)" if arena.pinned else "")
-        window = write_behind_seconds(self.extra.get("write_behind", "10")) if self.nvme is not None else None
+        window = write_behind_seconds(self.config.write_behind) if self.nvme is not None else None
         if window is not None:
             self._writer = threading.Thread(target=self._write_behind, args=(window,), name="kvtier-write-behind",
                                             daemon=True)
@@ -113,7 +114,7 @@ class KVTierWorker:
         own client, the publishing policy and the codec blocks travel in."""
         from kvtier.tiers.shared import SharedConfig, SharedStore
 
-        config = SharedConfig.from_extra(self.extra)
+        config = SharedConfig.from_connector(self.config)
         if config is None:
             return {}
         self.shared = SharedStore(config, rank=self.rank)
@@ -123,8 +124,8 @@ class KVTierWorker:
     def _write_behind(self, window: float) -> None:
         """Every tick, write the blocks that are due (in batches, oldest first); tell the scheduler
         half what was written with the next step's results."""
-        cold = resolve_codec(str(self.extra.get("cold_codec", "none")), self.fingerprint.geometry, "cold")
-        high = float(self.extra.get("high_watermark", 0.90))
+        cold = resolve_codec(self.config.cold_codec, self.fingerprint.geometry, "cold")
+        high = self.config.high_watermark
         store = self.nvme
         assert store is not None and self.mover is not None
 
@@ -213,7 +214,7 @@ class KVTierWorker:
         """Queue this step's loads on the mover (vLLM calls this after launching the forward pass
         of the requests that are running); their requests resume once ``get_finished`` says so."""
         self._in_step = True
-        synchronous = bool(self.extra.get("synchronous", False))
+        synchronous = self.config.synchronous
         with self._lock:
             self._load_errors.update(missing)
             self._finished_recving.update(recv_now)  # nothing could be loaded: resume them at once
@@ -232,7 +233,7 @@ class KVTierWorker:
     def wait_for_save(self, jobs: list[Job]) -> None:
         """Queue this step's stores (one batch on the copy thread, fenced by an event on the compute
         stream) and its background jobs; nothing here waits for a copy."""
-        synchronous = bool(self.extra.get("synchronous", False))  # tests and debugging: no background IO
+        synchronous = self.config.synchronous  # tests and debugging: no background IO
         stores = [job for job in jobs if job.kind == JobKind.STORE]
         if stores:
             with self._lock:
@@ -335,7 +336,7 @@ class KVTierWorker:
         if self.mover is not None:
             self.mover.close()
             if self.nvme is not None:  # keep DRAM-only blocks across the restart
-                cold = resolve_codec(str(self.extra.get("cold_codec", "none")), self.fingerprint.geometry, "cold")
+                cold = resolve_codec(self.config.cold_codec, self.fingerprint.geometry, "cold")
                 self.mover.write_back(cold)
         if self.nvme is not None:
             self.nvme.close()
