@@ -277,7 +277,8 @@ class Catalog:
                 continue
             session = new(Session)  # Session.__init__'s fields, set directly: this loop is the start-up
             session.session_id, session.namespace, session._keys, session._blob = session_id, namespace, None, keys
-            session._key_len, session.num_tokens, session.created, session.last_use = key_len, num_tokens, created, last_use
+            session._key_len, session.num_tokens = key_len, num_tokens
+            session.created, session.last_use = created, last_use
             session.pinned, session.hot, session.token_ids, session.tokens_dirty = tiers[pinned], False, None, False
             append(session)
         if self.bad_rows:

@@ -19,6 +19,8 @@ from kvtier.errors import ConfigError
 __all__ = ["ConnectorConfig"]
 
 _DEFAULTS = Settings.__dataclass_fields__
+_ALWAYS = {"dram_bytes", "nvme_dir", "nvme_bytes", "policy", "high_watermark", "low_watermark", "io_threads",
+           "direct_io", "warm_codec", "cold_codec", "link_gbps", "write_behind"}
 
 
 def _default(name: str) -> Any:
@@ -100,11 +102,12 @@ class ConnectorConfig:
         return cls(**values)
 
     def to_extra(self) -> dict[str, Any]:
-        """The JSON object vLLM carries to every process (unset optional keys left out)."""
+        """The JSON object vLLM carries to every process: the tier settings always (what the command
+        line shows an operator), the rest only where it differs from the default."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or (f.name not in _ALWAYS and value == f.default):
                 continue
             out[f.name] = value
         return out

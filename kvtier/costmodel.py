@@ -370,7 +370,8 @@ def measure_copy_bps(nbytes: int = 64 << 20, reps: int = 3) -> tuple[float, str]
     return nbytes / best, "DRAM memcpy (no GPU)"
 
 
-def measure_nvme_read_bps(directory: str | os.PathLike, nbytes: int = 64 << 20, chunk: int = 2 << 20) -> tuple[float, str]:
+def measure_nvme_read_bps(directory: str | os.PathLike, nbytes: int = 64 << 20, chunk: int = 2 << 20) -> tuple[float,
+                                                                                                               str]:
     """Sequential direct-IO reads of a scratch file in ``directory`` (the NVMe tier's own IO size)."""
     from kvtier.tiers.rawio import RawDirectIO
 

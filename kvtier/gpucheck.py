@@ -87,7 +87,8 @@ def check_layout(layout: str, dtype_name: str, device, tmp: Path) -> dict:
     layers = vllm_layer_views(layout, 4, 4 * n, 4, 16, 128, dtype, device)
     _fill(layers, seed=len(layout) + len(dtype_name))
     fingerprint = ModelFingerprint("gpucheck", geometry)
-    engine = TierEngine(fingerprint, 2 * n * geometry.block_bytes, tmp / f"{layout}-{dtype_name}", 8 * n * geometry.block_bytes,
+    engine = TierEngine(fingerprint, 2 * n * geometry.block_bytes, tmp / f"{layout}-{dtype_name}",
+                        8 * n * geometry.block_bytes,
                         kv_layers=layers, layout="head_split", catalog=False)
     ns = namespace_of(fingerprint.digest)
     keys = chain_block_hashes(list(range(n * 16)), 16)
@@ -134,7 +135,8 @@ def check_pinned(device) -> dict:
     staging = aligned_empty(5 * PAGE + 1, pin=device.type == "cuda")
     out = {"arena_bytes": arena.buffer.numel(), "expected_bytes": size_slots * arena.slot_bytes,
            "arena_pinned": arena.pinned, "staging_pinned": bool(staging.is_pinned()) if device.type == "cuda" else None}
-    out["ok"] = out["arena_bytes"] == out["expected_bytes"] and (device.type != "cuda" or (arena.pinned and out["staging_pinned"]))
+    pinned = device.type != "cuda" or (arena.pinned and out["staging_pinned"])
+    out["ok"] = out["arena_bytes"] == out["expected_bytes"] and pinned
     return out
 
 
@@ -269,7 +271,8 @@ def check_codecs(device) -> dict:
             codec.decode(payload[:nbytes], back)
         _sync(device)
         seconds = time.perf_counter() - start
-        out[spec] = {"decode_gbps": round(reps * geometry.block_bytes / seconds / 1e9, 2), "max_abs_error": round(error, 4),
+        out[spec] = {"decode_gbps": round(reps * geometry.block_bytes / seconds / 1e9, 2), "max_abs_error": round(error,
+                                                                                                                  4),
                      "ratio": round(geometry.block_bytes / nbytes, 2)}
         ok = ok and error < 4.0
     out["ok"] = ok

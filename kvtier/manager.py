@@ -11,8 +11,9 @@ Pressure: when DRAM slot use passes the high watermark, the policy's victims are
 (or their DRAM copy is simply released when NVMe already holds them) down to the low watermark;
 NVMe likewise drops its victims. With a cost model (``self.cost``), a victim whose longest stored
 prefix would restore from NVMe slower than it recomputes is dropped instead of demoted
-(``kvtier.decide.worth_keeping``): writing it would cost disk bandwidth and never pay off. A store that finds DRAM full of pinned or busy blocks stores what
-fits and skips the rest: normal pressure, not an error; vLLM recomputes what was not kept.
+(``kvtier.decide.worth_keeping``): writing it would cost disk bandwidth and never pay off. A store
+that finds DRAM full of pinned or busy blocks stores what fits and skips the rest: normal pressure,
+not an error; vLLM recomputes what was not kept.
 """
 from __future__ import annotations
 
@@ -26,11 +27,20 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvtier.errors import NotFoundError, UsageError
 from kvtier.codecs import get_codec, resolve_codec
 from kvtier.decide import worth_keeping
-from kvtier.index import (FIRST, IN_DRAM, IN_NVME, PENDING, BlockIndex, Session, Tier, chain_block_hashes,
-                          validate_session_id)
+from kvtier.errors import NotFoundError, UsageError
+from kvtier.index import (
+    FIRST,
+    IN_DRAM,
+    IN_NVME,
+    PENDING,
+    BlockIndex,
+    Session,
+    Tier,
+    chain_block_hashes,
+    validate_session_id,
+)
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint
 from kvtier.manager_ops import SessionOps

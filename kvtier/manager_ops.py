@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from kvtier.errors import CapacityError, FingerprintMismatchError, UsageError
 from kvtier.codecs import get_codec
+from kvtier.errors import CapacityError, FingerprintMismatchError, UsageError
 from kvtier.index import FIRST, IN_DRAM, IN_NVME, PENDING, Tier, validate_session_id
 from kvtier.jobs import Job, JobKind, JobResult
 from kvtier.tiers.nvme import file_bytes_for

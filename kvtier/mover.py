@@ -423,7 +423,8 @@ class Mover:
         plain = all(get_codec(m.codec).raw for m in job.moves)
         if self._stream is None and plain:  # CPU: gather each block straight into its DRAM slot
             for move in job.moves:
-                self.adapter.gather(self.kv_layers, [move.device_block], self._as_block(self.arena.slot(move.dram_slot)))
+                self.adapter.gather(self.kv_layers, [move.device_block],
+                                    self._as_block(self.arena.slot(move.dram_slot)))
                 self._own(move)
                 self._count("hbm->dram", move.nbytes, result)
             return
@@ -613,9 +614,9 @@ class Mover:
     # ---- snapshots ----------------------------------------------------------------------------
     def _snapshot(self, job: Job, result: JobResult) -> None:
         """Write this rank's shard of a session to its snapshot file (``shard_path``)."""
-        from kvtier.snapshot import shard_path, write_snapshot
-
         import torch
+
+        from kvtier.snapshot import shard_path, write_snapshot
 
         header = job.header or {}
         self._await_slots([m.dram_slot for m in job.moves if not m.from_nvme])

@@ -137,7 +137,8 @@ def classify(f: TurnFacts) -> tuple[str, str]:
     if f.failed_tokens:
         error = f": {f.load_error}" if f.load_error else ""
         return "checksum", (f"a load from {f.load_tier or 'the tiers'} failed verification{error}; vLLM "
-                            f"recomputed {f.failed_tokens} tokens from token {f.vllm_cached_tokens + f.loaded_tokens - f.failed_tokens}")
+                            f"recomputed {f.failed_tokens} tokens from token "
+                            f"{f.vllm_cached_tokens + f.loaded_tokens - f.failed_tokens}")
     if f.usable_tokens <= 0:
         return "below_store_threshold", (f"a prompt of {f.prompt_tokens} tokens is not longer than one block "
                                          f"({bt} tokens): nothing to store or load")
@@ -184,7 +185,8 @@ def _hit(f: TurnFacts, served: int) -> tuple[str, str]:
     loaded = f.effective_loaded_tokens
     if loaded:
         cached = f" (after {f.vllm_cached_tokens} in vLLM's prefix cache)" if f.vllm_cached_tokens else ""
-        return "full_hit", f"loaded {loaded} tokens from {f.load_tier or 'the tiers'}{cached}; {new} new tokens computed"
+        where = f.load_tier or "the tiers"
+        return "full_hit", f"loaded {loaded} tokens from {where}{cached}; {new} new tokens computed"
     return "vllm_prefix_cache", f"vLLM's prefix cache held {f.vllm_cached_tokens} tokens; {new} new tokens computed"
 
 

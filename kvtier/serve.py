@@ -223,7 +223,8 @@ def check_shared(settings: Settings) -> list[str]:
 def _check_instance(name: str, port: int | None, running: list) -> None:
     for other in running:
         if other.name == name:
-            raise UsageError(f"instance {name!r} is already running (pid {other.pid}, port {other.port}, {other.model})",
+            raise UsageError(f"instance {name!r} is already running "
+                             f"(pid {other.pid}, port {other.port}, {other.model})",
                              hint="stop it, or name this one with --instance NAME (and give it its own --port)")
         if port is not None and other.port == port:
             raise UsageError(f"port {port} is taken by kvtier instance {other.name!r} (pid {other.pid})",
@@ -456,7 +457,8 @@ def _check_nvme_dir(settings: Settings, create: bool, running: Sequence = ()) ->
     for lock, pid in held_locks(nvme_dir):
         raise ConfigError(f"NVMe dir {raw} is in use by another kvtier server (pid {pid}, {lock.name})",
                           hint="name each server (--instance gpu0, --instance gpu1: named instances share one "
-                               "--nvme-dir, each in its own subdirectory), give each its own --nvme-dir, or stop the other")
+                               "--nvme-dir, each in its own subdirectory), give each its own --nvme-dir, "
+                               "or stop the other")
     if create:
         try:
             nvme_dir.mkdir(parents=True, exist_ok=True)
@@ -604,7 +606,8 @@ def vllm_cpu_env(user: Mapping[str, str], vllm_args: Sequence[str], connector: b
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in user:
         # one rank per group of cores, bound by hand (vLLM's automatic binding wants one NUMA node
         # per rank), nothing reserved, and a KV cache space that fits every rank
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os,
+                                                           "sched_getaffinity") else list(range(os.cpu_count() or 1))
         per = max(1, len(cores) // tp)
         groups = [cores[i * per:(i + 1) * per] or cores[-1:] for i in range(tp)]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, group)) for group in groups)

@@ -52,7 +52,8 @@ from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.records import checksum, fsync_dir, probe_direct_io
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "BlockEntry", "SnapshotInfo", "SnapshotWriter", "write_snapshot",
-           "header_cap", "open_snapshot", "overwrite_refusal", "read_blocks", "verify_snapshot", "remove_stale_temp_files", "shard_path"]
+           "header_cap", "open_snapshot", "overwrite_refusal", "read_blocks", "verify_snapshot",
+           "remove_stale_temp_files", "shard_path"]
 
 MAGIC = b"KVTSNAP\0"
 FORMAT_VERSION = 1

@@ -10,9 +10,9 @@ import threading
 import time
 
 import pytest
+from conftest import make_engine
 from typer.testing import CliRunner
 
-from conftest import make_engine
 from kvtier.cli.main import app
 from kvtier.control.client import AdminClient
 from kvtier.control.local import LocalAdmin
@@ -29,7 +29,8 @@ def keys_of(seed: int, blocks: int) -> list[bytes]:
 def server(fingerprint, hbm, tmp_path):
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=16, nvme_blocks=64)
     ns = namespace_of(fingerprint.digest)
-    for session, seed, blocks, tokens, hbm_blocks in (("agent-1", 1, 4, 64, [0, 1, 2, 3]), ("agent-2", 2, 2, 40, [4, 5])):
+    for session, seed, blocks, tokens, hbm_blocks in (("agent-1", 1, 4, 64, [0, 1, 2, 3]), ("agent-2", 2, 2, 40, [4,
+                                                                                                                  5])):
         ids = list(range(seed * 10_000, seed * 10_000 + tokens))  # as vLLM's scheduler half records them
         engine.manager.record_session(session, ns, keys_of(seed, blocks), tokens, token_ids=ids)
         engine.store(session, ns, keys_of(seed, blocks), hbm_blocks, num_tokens=tokens)
@@ -139,7 +140,8 @@ def raw(sock_path: str, request: bytes) -> tuple[int, dict]:
         while b"\r\n\r\n" not in data:
             data += s.recv(65536)
         head, _, body = data.partition(b"\r\n\r\n")
-        length = int([line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")][0])
+        length = int([line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")][0])
         while len(body) < length:
             body += s.recv(65536)
     return int(head.split()[1]), json.loads(body)
@@ -239,7 +241,8 @@ def exchange(sock_path: str, data: bytes, answers: int) -> list[tuple[int, bytes
                 assert chunk, f"connection closed after {len(out)} answers"
                 buf += chunk
             head, _, buf = buf.partition(b"\r\n\r\n")
-            length = int([line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")][0])
+            length = int([line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")][0])
             while len(buf) < length:
                 buf += s.recv(65536)
             out.append((int(head.split()[1]), head, buf[:length]))
@@ -482,7 +485,8 @@ def test_the_cli_reaches_the_tcp_listener_with_its_token(fingerprint, hbm, tmp_p
         token_file = tmp_path / "token"
         token_file.write_text(token)
         token_file.chmod(0o644)
-        loose = runner.invoke(app, ["status"], env={"KVTIER_ADMIN_URL": url, "KVTIER_ADMIN_TOKEN_FILE": str(token_file)})
+        loose = runner.invoke(app, ["status"], env={"KVTIER_ADMIN_URL": url,
+                                                    "KVTIER_ADMIN_TOKEN_FILE": str(token_file)})
         assert loose.exit_code == 2 and "chmod 600" in loose.stderr
         token_file.chmod(0o600)
         fine = runner.invoke(app, ["sessions", "--json"],

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import make_engine
 from typer.testing import CliRunner
 
-from conftest import make_engine
 from kvtier.cli.main import app
 from kvtier.index import chain_block_hashes, namespace_of
 

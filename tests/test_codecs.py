@@ -7,8 +7,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import make_engine
+
 from kvtier.codecs import get_codec, parse_spec, resolve_codec, transcode
 from kvtier.errors import ConfigError, CorruptBlockError
 from kvtier.index import Tier, chain_block_hashes, namespace_of
@@ -129,11 +129,10 @@ print(json.dumps(same))
 
 def test_numba_kernels_match_torch_reference_bit_for_bit():
     """In a subprocess: this test process keeps numba out (see conftest.py)."""
+    import importlib.util
     import json
     import subprocess
     import sys
-
-    import importlib.util
 
     if importlib.util.find_spec("numba") is None:  # find, not import: numba stays out of this process
         pytest.skip("numba is not installed: only the torch path exists")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.costmodel import (GB, CostModel, LinkRates, PrefillModel, measure_rates, parse_link_caps)
+from kvtier.costmodel import GB, CostModel, LinkRates, PrefillModel, measure_rates, parse_link_caps
 from kvtier.decide import LoadCandidate, blocks_to_load
 from kvtier.errors import UsageError
 
@@ -132,6 +132,7 @@ def test_caps_lower_measured_rates_and_say_so(tmp_path):
 
 def test_admin_session_view_reports_the_prediction(fingerprint, hbm, tmp_path):
     from conftest import make_engine
+
     from kvtier.control.client import AdminClient
     from kvtier.control.local import LocalAdmin
     from kvtier.index import chain_block_hashes, namespace_of
@@ -182,9 +183,9 @@ def test_doctor_without_a_server(tmp_path):
 def test_doctor_reads_break_even_from_a_server(fingerprint, hbm, tmp_path):
     import json
 
+    from conftest import make_engine
     from typer.testing import CliRunner
 
-    from conftest import make_engine
     from kvtier.cli.main import app
     from kvtier.control.local import LocalAdmin
 
@@ -243,6 +244,7 @@ def test_demotion_drops_sessions_whose_restore_would_lose_to_recompute(fingerpri
     """Under DRAM pressure a long session goes to NVMe, a short one below the NVMe break-even is
     dropped (not written), and one pinned to NVMe is written whatever the model says."""
     from conftest import make_engine
+
     from kvtier.index import IN_NVME, Tier, chain_block_hashes, namespace_of
 
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=16, nvme_blocks=32)

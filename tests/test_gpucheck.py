@@ -25,7 +25,8 @@ def test_vllm_layouts_are_strided_views_of_one_allocation():
 
     layers = gpucheck.vllm_layer_views("BLHNC", 3, 5, 2, 16, 8, torch.bfloat16, torch.device("cpu"))
     assert [tuple(x.shape) for x in layers] == [(5, 2, 16, 8)] * 3
-    assert not layers[0].is_contiguous() and layers[0].untyped_storage().data_ptr() == layers[2].untyped_storage().data_ptr()
+    assert not layers[0].is_contiguous()
+    assert layers[0].untyped_storage().data_ptr() == layers[2].untyped_storage().data_ptr()
 
 
 def test_a_broken_load_path_fails_the_check(monkeypatch):

@@ -25,7 +25,8 @@ def imported_top_modules(path: Path) -> set[str]:
 
 def test_core_modules_never_import_vllm_or_textual():
     """(kvtier.bench runs real vLLM: a layer above the core, as the CLI is.)"""
-    core_files = [p for p in CORE.rglob("*.py") if not {"tui", "plugins", "bench", "cli"} & set(p.relative_to(CORE).parts)]
+    core_files = [p for p in CORE.rglob("*.py") if not {"tui", "plugins", "bench",
+                                                        "cli"} & set(p.relative_to(CORE).parts)]
     assert len(core_files) > 10
     offenders = {str(p.relative_to(CORE)): imported_top_modules(p) & FORBIDDEN_IN_CORE for p in core_files}
     assert {k: v for k, v in offenders.items() if v} == {}

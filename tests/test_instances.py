@@ -16,12 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import make_engine
 from typer.testing import CliRunner
 
-from conftest import make_engine
 from kvtier.cli.main import app
-from kvtier.control.instances import (Instance, Registration, find_instance, list_instances, registry_dir,
-                                       valid_name)
+from kvtier.control.instances import Instance, Registration, find_instance, list_instances, registry_dir, valid_name
 from kvtier.control.local import LocalAdmin
 from kvtier.errors import NoServerError, UsageError
 
@@ -370,7 +369,8 @@ def test_box_collector_says_which_instances_use_each_gpu(run_env):
     box = BoxCollector(nvml_opened=(FakeNvml(), [0, 1, 2, 3], None), list_instances=lambda: fake)
     snap = box.poll()
     assert [g.instances for g in snap.gpus] == [("gpu0",), (), ("tp",), ("tp",)]
-    assert [(i.name, i.gpus, i.connected) for i in snap.instances] == [("gpu0", ("0",), False), ("tp", ("2", "3"), False)]
+    assert [(i.name, i.gpus, i.connected) for i in snap.instances] == [("gpu0", ("0",), False), ("tp", ("2", "3"),
+                                                                                                 False)]
 
 
 # ---- two real servers on one box ------------------------------------------------------------------
@@ -458,9 +458,9 @@ def test_a_hung_resolver_does_not_hold_serve_up(run_env, tmp_path, monkeypatch):
     """The hub's HTTP timeout does not cover DNS: a resolver that hangs is cut off by kvtier itself."""
     import socket as socket_mod
 
-    from kvtier.serve import resolve_model
-
     import huggingface_hub.constants
+
+    from kvtier.serve import resolve_model
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     # huggingface_hub reads HF_HUB_OFFLINE once, at its import: another test of this run may have set it

@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_engine
+
 from kvtier.errors import CapacityError, NotFoundError, UsageError
 from kvtier.index import IN_DRAM, IN_NVME, Tier, chain_block_hashes, namespace_of
 from kvtier.layout import KVGeometry, ModelFingerprint

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import break_disk, heal_disk, make_engine
+
 from kvtier.catalog import Catalog, CatalogLockedError, held_locks
 from kvtier.index import IN_DRAM, IN_NVME, Tier, chain_block_hashes, namespace_of
 from kvtier.jobs import JobKind

@@ -17,19 +17,29 @@ import tempfile
 import time
 
 import pytest
+from conftest import make_engine
 from typer.testing import CliRunner
 
-from conftest import make_engine
 from kvtier.index import Tier, chain_block_hashes, namespace_of
-from kvtier.reasons import (DROP_CAUSES, HIT_REASONS, REASONS, DropLog, TurnFacts, TurnLog, apply_facts, classify,
-                            format_turn)
+from kvtier.reasons import (
+    DROP_CAUSES,
+    HIT_REASONS,
+    REASONS,
+    DropLog,
+    TurnFacts,
+    TurnLog,
+    apply_facts,
+    classify,
+    format_turn,
+)
 
 BT = 128  # vLLM's CPU block size (the unit tests use it too)
 
 
 def facts(**kw) -> TurnFacts:
     prompt = kw.pop("prompt_tokens", 540)
-    return TurnFacts(prompt_tokens=prompt, block_tokens=BT, usable_tokens=kw.pop("usable_tokens", (prompt - 1) // BT * BT),
+    return TurnFacts(prompt_tokens=prompt, block_tokens=BT, usable_tokens=kw.pop("usable_tokens",
+                                                                                 (prompt - 1) // BT * BT),
                      now=1000.0, **kw)
 
 

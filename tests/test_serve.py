@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvtier.cli.main import app
 from kvtier.bench.vllm.faults import free_port
+from kvtier.cli.main import app
 
 runner = CliRunner()
 GiB = 2**30
@@ -32,7 +32,8 @@ def env(tmp_path, monkeypatch):
         if key.startswith("KVTIER_"):
             monkeypatch.delenv(key)
     return {"XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
-            "XDG_RUNTIME_DIR": str(tmp_path / "run"), "KVTIER_DRAM": "1GiB", "KVTIER_NVME": "1GiB", "KVTIER_NVME_DIR": str(tmp_path / "nvme")}
+            "XDG_RUNTIME_DIR": str(tmp_path / "run"), "KVTIER_DRAM": "1GiB", "KVTIER_NVME": "1GiB",
+            "KVTIER_NVME_DIR": str(tmp_path / "nvme")}
 
 
 @pytest.fixture
@@ -93,8 +94,8 @@ def test_dry_run_command_and_connector_config(env, model_dir, tmp_path):
     assert extra["policy"] == "arc"
     assert extra["nvme_dir"] == str(tmp_path / "cold")
     assert extra["model_id"] == "tiny-llama"
-    assert set(extra) == {"dram_bytes", "nvme_dir", "nvme_bytes", "policy", "high_watermark",
-                          "low_watermark", "io_threads", "direct_io", "warm_codec", "cold_codec", "link_gbps", "model_id",
+    assert set(extra) == {"dram_bytes", "nvme_dir", "nvme_bytes", "policy", "high_watermark", "low_watermark",
+                          "io_threads", "direct_io", "warm_codec", "cold_codec", "link_gbps", "model_id",
                           "admin_socket", "snapshot_dir", "api_url", "write_behind", "instance"}
     assert extra["instance"] == cmd[cmd.index("--port") + 1]  # unnamed: the port names it
     assert extra["write_behind"] == "10"
@@ -164,7 +165,6 @@ def test_serve_runs_the_server_and_returns_its_status(env, model_dir, tmp_path, 
     import types
 
     import kvtier.serve
-
     from kvtier.control.instances import list_instances
 
     calls, registered = [], []

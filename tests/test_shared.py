@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import make_engine
+
 from kvtier.index import chain_block_hashes, namespace_of
 
 if shutil.which("redis-server") is None and shutil.which("valkey-server") is None:
@@ -21,8 +21,14 @@ if shutil.which("redis-server") is None and shutil.which("valkey-server") is Non
 
 from kvtier.bench.redisproc import RedisServer, start_cluster  # noqa: E402
 from kvtier.errors import ConfigError, UsageError  # noqa: E402
-from kvtier.tiers.shared import (SharedConfig, SharedStore, SharedUnavailable, block_key,  # noqa: E402
-                                 load_credentials, parse_shared_url)
+from kvtier.tiers.shared import (  # noqa: E402
+    SharedConfig,
+    SharedStore,
+    SharedUnavailable,
+    block_key,
+    load_credentials,
+    parse_shared_url,
+)
 
 
 @pytest.fixture
@@ -231,7 +237,8 @@ def test_a_store_that_is_down_paused_or_restarted_costs_nothing_and_recovers(fin
         for fault in ("stop", "pause"):
             redis_server.stop() if fault == "stop" else redis_server.pause()
             # a store with the server gone: the first call waits its timeout at most, later ones not at all
-            stored, took = _timed(lambda: a.store(f"s-{fault}", ns, keys, list(range(6)), len(tokens), token_ids=tokens))
+            stored, took = _timed(lambda: a.store(f"s-{fault}", ns, keys, list(range(6)), len(tokens),
+                                                  token_ids=tokens))
             assert stored in (0, 6) and took < 2.0
             a.publish(timeout=5)
             assert a.shared.state == "down" and a.shared.problem
@@ -313,8 +320,8 @@ def test_two_servers_continue_each_others_sessions(tiny_model, tmp_path, monkeyp
 
     from typer.testing import CliRunner
 
-    from kvtier.cli.main import app
     from kvtier.bench.vllm.served import Served
+    from kvtier.cli.main import app
 
     runner = CliRunner()
     for key in list(os.environ):

@@ -249,7 +249,8 @@ def test_hybrid_and_sliding_window_models_are_refused_by_name():
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=_torch.bfloat16, sliding_window=128)
     check_supported(*_vllm_config(groups=[SimpleNamespace(kv_cache_spec=full)]))
     with pytest.raises(ConfigError, match="gemma2 has SlidingWindowSpec"):
-        check_supported(*_vllm_config(groups=[SimpleNamespace(kv_cache_spec=full), SimpleNamespace(kv_cache_spec=window)]))
+        check_supported(*_vllm_config(groups=[SimpleNamespace(kv_cache_spec=full),
+                                              SimpleNamespace(kv_cache_spec=window)]))
     with pytest.raises(ConfigError, match="hybrid"):
         check_supported(*_vllm_config(groups=[SimpleNamespace(kv_cache_spec=full)] * 2))
 

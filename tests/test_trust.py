@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-
 from conftest import make_engine
+
 from kvtier.errors import SnapshotError
 from kvtier.index import Tier, chain_block_hashes, namespace_of
 

@@ -23,10 +23,10 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 vllm = pytest.importorskip("vllm")
+from conftest import records_on_disk  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-from conftest import records_on_disk  # noqa: E402
 from kvtier.index import Tier  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size

@@ -13,7 +13,6 @@ from typing import Any, Callable, Iterator
 from kvtier.control.client import AdminClient
 from kvtier.control.gpu import gpu_link, open_gpus, select_gpus
 from kvtier.errors import KvtierError, NoServerError
-
 from kvtier.tui.model import GpuRow, InstanceRow, JobRow, Link, SessionRow, Snapshot, Tier
 
 __all__ = ["BoxCollector", "Collector", "Nvml", "replay"]

@@ -133,7 +133,8 @@ class Snapshot:
         doc = {k: v for k, v in doc.items() if k in known}
         doc["banners"] = tuple(doc.get("banners", ()))
         doc["tiers"] = tuple(Tier(**t) for t in doc.get("tiers", ()))
-        doc["links"] = tuple(Link(**{**link, "history": tuple(link.get("history", ()))}) for link in doc.get("links", ()))
+        doc["links"] = tuple(Link(**{**link, "history": tuple(link.get("history", ()))}) for link in doc.get("links",
+                                                                                                             ()))
         doc["hit_rates"] = tuple((name, rate) for name, rate in doc.get("hit_rates", ()))
         doc["sessions"] = tuple(SessionRow(**s) for s in doc.get("sessions", ()))
         doc["jobs"] = tuple(JobRow(**j) for j in doc.get("jobs", ()))

@@ -117,8 +117,10 @@ def fuzz(sock_path: str, examples: int, seed: int = 0, snapshot_dir: Path | None
                          "/v1/sessions?sort=;drop", "//v1/status", "/v1/status/../../etc"]),
         st.text(min_size=1, max_size=40).map(lambda t: "/" + t.replace("\r", "").replace("\n", "").replace(" ", "")),
     )
-    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-                               lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+    json_values = st.recursive(scalars,
+                               lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                           max_size=3),
                                max_leaves=6)
     bodies = st.one_of(
         st.none(),
@@ -126,7 +128,8 @@ def fuzz(sock_path: str, examples: int, seed: int = 0, snapshot_dir: Path | None
         json_values.map(lambda v: json.dumps(v).encode()),
         st.fixed_dictionaries({}, optional={"tier": st.sampled_from(["dram", "nvme", "hbm", 1, None]),
                                             "to": st.sampled_from(["nvme", "drop", "dram", "tape", 0]),
-                                            "path": st.sampled_from(["a.kvsnap", "../x.kvsnap", "/etc/passwd", "", "\0", "b.txt",
+                                            "path": st.sampled_from(["a.kvsnap", "../x.kvsnap", "/etc/passwd", "", "\0",
+                                                                     "b.txt",
                                                                      ".kvsnap", "sub/c.kvsnap"]),
                                             "extra": st.integers()}).map(lambda d: json.dumps(d).encode()),
     )
@@ -159,7 +162,8 @@ def fuzz(sock_path: str, examples: int, seed: int = 0, snapshot_dir: Path | None
         counts["valid"] += valid
         if 200 <= status < 300 and not valid and method not in ("GET",):
             counts["accepted_invalid"] += 1
-        if 200 <= status < 300 and method == "GET" and (extra or not is_valid_request("GET", path.split("?")[0], None)) \
+        if 200 <= status < 300 and method == "GET" and (extra or not is_valid_request("GET", path.split("?")[0],
+                                                                                      None)) \
                 and "?" not in path:
             counts["accepted_invalid"] += 1
 

@@ -85,7 +85,8 @@ class World:
 
         self.fingerprint = _fingerprint(name)
         self.geometry = g = self.fingerprint.geometry
-        self.hbm = [torch.zeros(CpuLayout(g).layer_shape(HBM_BLOCKS), dtype=torch.bfloat16) for _ in range(g.num_layers)]
+        self.hbm = [torch.zeros(CpuLayout(g).layer_shape(HBM_BLOCKS),
+                                dtype=torch.bfloat16) for _ in range(g.num_layers)]
         self.adapter = adapter_for("cpu", g)
         self.root = Path(root)
         self.snapshots = self.root / "snapshots"
@@ -477,7 +478,7 @@ def _damage_record(record: _Record, fault: str, rng: random.Random, others: list
 
 def _meaningful_ranges(path: Path) -> list[tuple[int, int]]:
     """Byte ranges of a snapshot that carry data (not alignment padding): a fault there must be caught."""
-    from kvtier.snapshot import PREAMBLE_BYTES, _PREAMBLE, open_snapshot
+    from kvtier.snapshot import _PREAMBLE, PREAMBLE_BYTES, open_snapshot
 
     info = open_snapshot(path)
     header_len = _PREAMBLE.unpack_from(path.read_bytes()[: _PREAMBLE.size])[3]
@@ -682,7 +683,7 @@ def _crafted_snapshots(directory: Path, fingerprint, other_fingerprint) -> list[
     """Snapshot files with valid checksums and hostile contents."""
     import xxhash
 
-    from kvtier.snapshot import FORMAT_VERSION, MAGIC, PREAMBLE_BYTES, _PREAMBLE, write_snapshot
+    from kvtier.snapshot import _PREAMBLE, FORMAT_VERSION, MAGIC, PREAMBLE_BYTES, write_snapshot
     from kvtier.tiers.dram import PAGE, round_up
 
     base = directory / "base.kvsnap"

@@ -70,7 +70,8 @@ def run_client_ratios(url: str, sizes=(2 << 20, 256 << 10), total_bytes: int = 6
 
             def tier_put() -> None:
                 for batch in batches:
-                    outcomes = store.write_batch([(namespace, keys[i], payloads[i], "none") for i in batch], fingerprint)
+                    outcomes = store.write_batch([(namespace, keys[i], payloads[i], "none") for i in batch],
+                                                 fingerprint)
                     assert all(o is None for o in outcomes), outcomes
 
             def raw_get() -> None:

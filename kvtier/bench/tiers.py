@@ -27,7 +27,6 @@ from typing import Callable
 # the raw direct IO reference lives with the tiers (the cost model measures disks with it too)
 from kvtier.tiers.rawio import RawDirectIO, drop_page_cache  # noqa: F401 - the benchmarks import them from here
 
-
 __all__ = ["run_tiers_bench", "TIERS_KEYS"]
 
 TIERS_KEYS = (

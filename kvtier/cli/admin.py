@@ -125,7 +125,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         if shared:
             link = shared.get("link")
             server = shared.get("server") or {}
-            typer.echo(f"shared tier: {shared['url']}{' (cluster)' if shared.get('cluster') else ''} {shared['state']}, "
+            cluster = " (cluster)" if shared.get("cluster") else ""
+            typer.echo(f"shared tier: {shared['url']}{cluster} {shared['state']}, "
                        f"{shared['policy']}, codec {shared['codec']}; "
                        + (f"link {link['gbps']:.2f} GB/s, {link['rtt_ms']:.2f} ms round trip; " if link else "")
                        + (f"store holds {human_bytes(server.get('used_memory', 0))}"
@@ -250,8 +251,8 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
     @snapshot_app.command("take", hidden=True)
     @handle_errors
     def snapshot_take(session: str = typer.Argument(..., help="Session id."),
-                      out: Optional[str] = typer.Option(None, "--out", "-o",
-                                                        help="File to write (default: <snapshot dir>/<session>.kvsnap)."),
+                      out: Optional[str] = typer.Option(
+                          None, "--out", "-o", help="File to write (default: <snapshot dir>/<session>.kvsnap)."),
                       wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job or print its id."),
                       json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
                       socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),

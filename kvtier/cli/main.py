@@ -9,8 +9,15 @@ from typing import Optional
 import typer
 from typer.core import TyperGroup
 
-from kvtier.cli.output import (bench_progress, emit_bench, emit_json, handle_errors, human_bytes, print_table,
-                               run_vllm_bench)
+from kvtier.cli.output import (
+    bench_progress,
+    emit_bench,
+    emit_json,
+    handle_errors,
+    human_bytes,
+    print_table,
+    run_vllm_bench,
+)
 
 __all__ = ["app", "main"]
 
@@ -109,7 +116,8 @@ def serve(
     shared_ttl: Optional[float] = typer.Option(
         None, "--shared-ttl", help="Seconds a published block or session lives in the store (default 86400)."),
     shared_auth_file: Optional[str] = typer.Option(
-        None, "--shared-auth-file", help="File (mode 600): the store's password, or a user name line then the password."),
+        None, "--shared-auth-file",
+        help="File (mode 600): the store's password, or a user name line then the password."),
     shared_ca_file: Optional[str] = typer.Option(
         None, "--shared-ca-file", help="CA certificate of a rediss:// store."),
     demo_size: str = typer.Option("tiny", "--demo-size", help="Demo model size when no MODEL: tiny or mid."),
@@ -119,7 +127,8 @@ def serve(
     admin_token_file: Optional[str] = typer.Option(
         None, "--admin-token-file", help="File (mode 600) holding the admin TCP bearer token."),
     admin_socket: Optional[str] = typer.Option(
-        None, "--admin-socket", help="Admin API socket (default $KVTIER_ADMIN_SOCKET, else $XDG_RUNTIME_DIR/kvtier/instances/NAME.sock); "
+        None, "--admin-socket",
+        help="Admin API socket (default $KVTIER_ADMIN_SOCKET, else $XDG_RUNTIME_DIR/kvtier/instances/NAME.sock); "
                                      "one per server when several run on a box."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check, print the vLLM command, start nothing."),
 ) -> None:
@@ -166,7 +175,8 @@ def serve(
     elif admin_token_file:
         raise UsageError("--admin-token-file needs --admin-tcp", hint="add --admin-tcp 127.0.0.1:PORT")
     if revision is not None and model is None:
-        raise UsageError("--revision needs a hub MODEL", hint="e.g. kvtier serve Qwen/Qwen2.5-0.5B-Instruct --revision main")
+        raise UsageError("--revision needs a hub MODEL",
+                         hint="e.g. kvtier serve Qwen/Qwen2.5-0.5B-Instruct --revision main")
     for warning in srv.preflight(settings, None, host=host, port=port, create_dirs=not dry_run, extra_args=extra,
                                  kv_cache_dtype=kv_cache_dtype, admin_socket=sock, instance=name):
         typer.echo(f"warning: {warning}", err=True)
@@ -297,8 +307,8 @@ def bench_costmodel(
     size: str = typer.Option("tiny", "--size", help="Demo model: tiny or mid (mid: a 16k recompute takes minutes)."),
 ) -> None:
     """Cost-model predictions vs measured TTFT (restore, recompute), and a capped link on real vLLM."""
-    from kvtier.errors import UsageError
     from kvtier.bench.vllm.costmodel import COSTMODEL_KEYS, run_costmodel_bench
+    from kvtier.errors import UsageError
 
     if size not in ("tiny", "mid"):
         raise UsageError(f"unknown --size {size!r}", hint="tiny or mid")
@@ -330,7 +340,8 @@ def bench_shared(
     store stopped, paused and restarted under load, and 600 forged values. Starts its own redis-server."""
     from kvtier.bench.vllm.shared import SHARED_KEYS, run_shared_bench
 
-    run_vllm_bench("kvtier bench shared", SHARED_KEYS, lambda progress: run_shared_bench(quick=quick, progress=progress),
+    run_vllm_bench("kvtier bench shared", SHARED_KEYS, lambda progress: run_shared_bench(quick=quick,
+                                                                                         progress=progress),
                    json_out)
 
 
@@ -423,10 +434,10 @@ def demo(
 ) -> None:
     """The overnight scenario on real kvtier serve processes: long session, snapshot, Ctrl-C, a new
     server on the same NVMe dir, the session listed at once, its next turn loads instead of recomputing."""
-    from kvtier.bench.vllm.demo import run_demo
-
     import contextlib
     import sys
+
+    from kvtier.bench.vllm.demo import run_demo
 
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; keep the story readable
         results = run_demo(tokens=tokens, size=size, say=lambda msg: typer.echo(msg, err=True))
@@ -602,7 +613,8 @@ def _print_doctor(report: dict) -> None:
              f"x{gpu.get('max_width')})" if gpu.get("present") else f"none: {gpu['why']}") for gpu in report["gpus"]]
     if "nvme" in report:
         n = report["nvme"]
-        rows.append(("NVMe dir", f"{n['dir']} on {n['filesystem']} ({n['mount']}), {human_bytes(n['free_bytes'])} free, "
+        rows.append(("NVMe dir",
+                     f"{n['dir']} on {n['filesystem']} ({n['mount']}), {human_bytes(n['free_bytes'])} free, "
                                  f"O_DIRECT {'yes' if n['o_direct'] else 'no'}"))
     rows.append(("memlock", "unlimited" if report["memlock_bytes"] is None else human_bytes(report["memlock_bytes"])))
     r = report["rates"]

@@ -13,7 +13,6 @@ from typing import Any, Callable, Iterable, Sequence
 import typer
 
 from kvtier.errors import KvtierError, exit_code_for, render_error
-
 from kvtier.units import human_bytes  # noqa: F401 - the CLI's commands import it from here
 
 __all__ = ["handle_errors", "emit_json", "print_table", "human_bytes", "emit_bench", "bench_progress"]

@@ -19,7 +19,8 @@ def register(app: typer.Typer) -> None:
     @app.command("top")
     @handle_errors
     def top(
-        socket: Optional[str] = typer.Option(None, "--socket", help="Admin socket (default: the only running instance's)."),
+        socket: Optional[str] = typer.Option(None, "--socket",
+                                             help="Admin socket (default: the only running instance's)."),
         _instance: Optional[str] = INSTANCE_OPTION,
         interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="Seconds between samples."),
         once: bool = typer.Option(False, "--once", help="Print one sample and exit (no TTY needed)."),
@@ -30,7 +31,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Live dashboard: tier occupancy, link throughput, hit rates, sessions and jobs, with keys to act.
         With several instances on the box it shows them all (HBM and PCIe per GPU); i switches."""
-        from kvtier.tui.collector import Collector, replay as read_recording
+        from kvtier.tui.collector import Collector
+        from kvtier.tui.collector import replay as read_recording
 
         if json_out and not once:
             raise UsageError("--json needs --once", hint="kvtier top --once --json")
@@ -130,5 +132,6 @@ def _print_once(snapshot, json_out: bool) -> None:
     shown = f" of instance {snapshot.instance}" if snapshot.instance and len(snapshot.instances) > 1 else ""
     print_table(f"sessions{shown} ({len(snapshot.sessions)}, most recent first)",
                 ["session", "state", "tokens", "DRAM", "NVMe", "idle"],
-                [(f"{r.instance}/{r.session_id}" if r.instance else r.session_id, r.state, f"{r.tokens:,}", human_bytes(r.bytes_dram), human_bytes(r.bytes_nvme),
+                [(f"{r.instance}/{r.session_id}" if r.instance else r.session_id, r.state, f"{r.tokens:,}",
+                  human_bytes(r.bytes_dram), human_bytes(r.bytes_nvme),
                   idle_text(snapshot.taken - r.last_use)) for r in rows])

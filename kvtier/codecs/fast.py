@@ -68,7 +68,8 @@ def _compile() -> dict[str, Any]:
                     tmp[j] = np.float32(q[r, j]) * s
                 for j in range(cols):  # float32 -> bf16, round to nearest even (as torch)
                     u = bits[j]
-                    out[r, j] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                    out[r,
+                        j] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
     @njit(parallel=True, cache=True)
     def int4_dec(kq, vq, ks, km, vs, vm, o_idx, o_val, out):  # pragma: no cover - compiled
@@ -118,7 +119,8 @@ def _lut(fmt: str):
 
     if fmt not in _LUTS:
         dtype = torch.float8_e5m2 if fmt == "e5m2" else torch.float8_e4m3fn
-        _LUTS[fmt] = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.bfloat16).view(torch.int16).numpy().copy()
+        _LUTS[fmt] = torch.arange(256,
+                                  dtype=torch.uint8).view(dtype).to(torch.bfloat16).view(torch.int16).numpy().copy()
     return _LUTS[fmt]
 
 

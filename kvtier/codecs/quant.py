@@ -304,9 +304,11 @@ class Int4(Codec):
             outliers = None  # written by the kernel
         else:
             k = self._unpack(kq).view(L, H, B // gk, gk, D).float()
-            k = k * parts["k_scale"].view(L, H, B // gk, 1, D).float() + parts["k_min"].view(L, H, B // gk, 1, D).float()
+            k = k * parts["k_scale"].view(L, H, B // gk, 1, D).float() + parts["k_min"].view(L, H, B // gk, 1,
+                                                                                             D).float()
             v = self._unpack(vq).view(L, H, B, D // gv, gv).float()
-            v = v * parts["v_scale"].view(L, H, B, D // gv, 1).float() + parts["v_min"].view(L, H, B, D // gv, 1).float()
+            v = v * parts["v_scale"].view(L, H, B, D // gv, 1).float() + parts["v_min"].view(L, H, B, D // gv,
+                                                                                             1).float()
             out[:, :, 0].copy_(k.view(L, H, B, D))
             out[:, :, 1].copy_(v.view(L, H, B, D))
         if outliers is not None:

@@ -21,7 +21,8 @@ SORT_KEYS = ("last_use", "tokens", "bytes", "session_id", "state")
 _TIERS = {"dram": Tier.DRAM, "nvme": Tier.NVME}
 
 
-def handle(ops: "Ops", name: str, params: dict, query: dict, body: dict, fds: list[int] | None = None) -> tuple[int, Any]:
+def handle(ops: "Ops", name: str, params: dict, query: dict, body: dict, fds: list[int] | None = None) -> tuple[int,
+                                                                                                                Any]:
     """``fds``: files the client handed over the Unix socket with this request (``SCM_RIGHTS``); a
     handler that keeps one sets its place in the list to -1 (the server closes the rest)."""
     session = None

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from kvtier.errors import NoServerError, UsageError
 
-__all__ = ["Instance", "Registration", "client_socket", "find_instance", "instance_socket", "legacy_socket_path", "list_instances",
+__all__ = ["Instance", "Registration", "client_socket", "find_instance", "instance_socket", "legacy_socket_path",
+           "list_instances",
            "registry_dir", "runtime_dir", "socket_answers", "valid_name"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

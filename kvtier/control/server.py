@@ -218,7 +218,8 @@ _BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"
 
 
 _REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-            405: "Method Not Allowed", 408: "Request Timeout", 503: "Service Unavailable", 409: "Conflict", 411: "Length Required", 413: "Payload Too Large",
+            405: "Method Not Allowed", 408: "Request Timeout", 503: "Service Unavailable", 409: "Conflict",
+            411: "Length Required", 413: "Payload Too Large",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 505: "HTTP Version Not Supported"}
 MAX_HEAD = 16 << 10
 IDLE_TIMEOUT_S = 30.0  # a keep-alive connection with no request for this long is closed

@@ -50,9 +50,19 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 from kvtier.errors import CapacityError, CorruptBlockError, StorageError, StorageFullError
 from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.journal import Extent, Journal
+from kvtier.tiers.records import (
+    HEADER_BYTES,
+    StorageViews,
+    allocate,
+    checksum,
+    file_bytes_for,
+    fsync_dir,
+    pack_header,
+    probe_direct_io,
+    punch_hole,
+    unpack_header,
+)
 from kvtier.tiers.recovery import find_holes, in_hole, legacy_block_files, read_record, rebuild_index
-from kvtier.tiers.records import (HEADER_BYTES, StorageViews, allocate, checksum, file_bytes_for, fsync_dir,
-                                  pack_header, probe_direct_io, punch_hole, unpack_header)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

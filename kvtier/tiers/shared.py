@@ -112,7 +112,8 @@ def display_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-def load_credentials(auth_file: str | None = None, env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+def load_credentials(auth_file: str | None = None, env: Mapping[str, str] | None = None) -> tuple[str | None,
+                                                                                                  str | None]:
     """(username, password) from ``auth_file`` (one line: the password; two lines: user name, then
     password; mode 600 required) or ``KVTIER_SHARED_USERNAME`` / ``KVTIER_SHARED_PASSWORD``."""
     env = os.environ if env is None else env
@@ -255,7 +256,8 @@ class SharedStore:
             problem = "refusing our credentials (check --shared-auth-file / KVTIER_SHARED_PASSWORD)"
         elif isinstance(exc, redis.TimeoutError) or "timed out" in str(exc).lower():
             problem = f"not answering within {self.config.timeout_s:g} s"
-        elif type(exc).__name__ == "OutOfMemoryError" or str(exc).startswith(("OOM", "command not allowed when used memory")):
+        elif type(exc).__name__ == "OutOfMemoryError" or str(exc).startswith(("OOM",
+                                                                              "command not allowed when used memory")):
             problem = "full (maxmemory reached and its policy evicts nothing)"
         elif isinstance(exc, (redis.ConnectionError, OSError)):
             problem = f"unreachable ({str(exc).splitlines()[0][:120]})"
@@ -372,7 +374,8 @@ class SharedStore:
             raise ForeignValue(f"shared tier: block {name}: payload checksum mismatch")
         return header.codec
 
-    def write_batch(self, blocks: Sequence[tuple[bytes, bytes, Any, str]], fingerprint: bytes) -> list[BaseException | None]:
+    def write_batch(self, blocks: Sequence[tuple[bytes, bytes, Any, str]],
+                    fingerprint: bytes) -> list[BaseException | None]:
         """Put ``(namespace, key, payload, codec)`` blocks, one pipeline, each with the TTL. Returns
         per block None or the exception (all of them when the store is down)."""
         if not blocks:

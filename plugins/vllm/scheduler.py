@@ -28,22 +28,22 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import write_behind_seconds
 from kvtier.connector_config import ConnectorConfig
-from kvtier.costmodel import CostModel, DEFAULT_RATES, measure_rates, parse_link_caps
+from kvtier.costmodel import DEFAULT_RATES, CostModel, measure_rates, parse_link_caps
 from kvtier.decide import LoadCandidate, blocks_to_load, worth_keeping
 from kvtier.index import IN_DRAM, namespace_of, validate_session_id
 from kvtier.jobs import Job, JobKind, RankMerger
 from kvtier.layout import ModelFingerprint
 from kvtier.manager import TierManager
-from kvtier.tiers.nvme import scan_shards
 from kvtier.plugins.vllm import turns
 from kvtier.plugins.vllm.geometry import VllmBlockKeys
+from kvtier.tiers.nvme import scan_shards
 
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "session_of", "wait_until_quiet"]
 
@@ -305,7 +305,8 @@ class KVTierScheduler:
     def _start_admin(self, config: ConnectorConfig) -> None:
         from kvtier.control.server import AdminServer, Ops
 
-        info = {"model": self.fingerprint.model_id, "api_url": self._api_url, "kv_dtype": self.fingerprint.geometry.dtype,
+        info = {"model": self.fingerprint.model_id, "api_url": self._api_url,
+                "kv_dtype": self.fingerprint.geometry.dtype,
                 "block_tokens": self.block_tokens, "instance": config.instance,
                 "revision": config.revision, "commit": config.commit, "weights": self.fingerprint.weights}
         self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, config.snapshot_dir, info, hbm=self.hbm_usage,
@@ -512,7 +513,8 @@ class KVTierScheduler:
             turns.store_skipped(state)
             return
         first = state.stored_blocks
-        job = self.manager.prepare_store(state.session_id, state.namespace, keys[first:full], state.block_ids[first:full],
+        job = self.manager.prepare_store(state.session_id, state.namespace, keys[first:full],
+                                         state.block_ids[first:full],
                                          start=first)
         if job is not None:
             job.req_id = request.request_id

@@ -101,7 +101,8 @@ class SharedLookups:
                 counters["shared_lookup_misses"] += 1
                 return False
             cost = self.scheduler.cost
-            fetch, fetch_s, recompute_s = cost.fetch_beats_recompute(start * cost.block_tokens, found, sum(sizes[:found]))
+            fetch, fetch_s, recompute_s = cost.fetch_beats_recompute(start * cost.block_tokens, found,
+                                                                     sum(sizes[:found]))
             if not fetch:
                 counters["shared_recomputed_blocks"] += found  # the link is too slow for it to pay
                 return False
@@ -204,7 +205,8 @@ class SharedLookups:
                 "published_blocks": counters.get("published_blocks", 0),
                 "published_bytes": counters.get("published_bytes", 0),
                 "fetched_blocks": manager.get("fetched_blocks", 0), "lookups": manager.get("shared_lookups", 0),
-                "hits": counters.get("hits", 0), "misses": counters.get("misses", 0) + manager.get("shared_lookup_misses", 0),
+                "hits": counters.get("hits", 0), "misses": counters.get("misses",
+                                                                        0) + manager.get("shared_lookup_misses", 0),
                 "rejected": counters.get("rejected", 0), "counters": counters}
 
     def close(self) -> None:

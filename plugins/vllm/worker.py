@@ -30,15 +30,15 @@ import threading
 import time
 from typing import Any
 
+from kvtier.codecs import get_codec, resolve_codec
 from kvtier.config import write_behind_seconds
 from kvtier.connector_config import ConnectorConfig
 from kvtier.jobs import Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint, adapter_for
 from kvtier.mover import Mover
-from kvtier.codecs import get_codec, resolve_codec
+from kvtier.plugins.vllm.geometry import layout_name
 from kvtier.tiers.dram import DramArena, SlotAllocator
 from kvtier.tiers.nvme import NvmeStore, shard_dir
-from kvtier.plugins.vllm.geometry import layout_name
 
 __all__ = ["KVTierWorker"]
 
@@ -167,7 +167,8 @@ class KVTierWorker:
                         if error:
                             self.mover.disk_failed_at = time.monotonic()
                     if written or error or not due:
-                        self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error, rank=self.rank,
+                        self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error,
+                                                  rank=self.rank,
                                                   written_behind=written, disk_ok=error is None,
                                                   nvme_recreated=self.mover.take_recreated(),
                                                   disk_free=store.free_bytes()))
@@ -280,7 +281,8 @@ class KVTierWorker:
             self._loads_in_flight -= 1
         self._transfer_done.set()
 
-    def get_finished(self, finish_after_stores: list[str], idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finish_after_stores: list[str], idle: bool = False) -> tuple[set[str] | None,
+                                                                                        set[str] | None]:
         """(requests whose blocks vLLM may now free: their stores on this rank are done, requests
         whose loads on this rank are done). vLLM counts each across the ranks.
 

@@ -354,7 +354,8 @@ def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = pr
                 finally:
                     faults_done.set()
 
-            threads = [threading.Thread(target=chaos, daemon=True), threading.Thread(target=run_disk_faults, daemon=True),
+            threads = [threading.Thread(target=chaos, daemon=True), threading.Thread(target=run_disk_faults,
+                                                                                     daemon=True),
                        threading.Thread(target=background_traffic, daemon=True)]
             for thread in threads:
                 thread.start()

@@ -92,9 +92,9 @@ def _captured_blocks(nvme_dir: Path, fingerprint, limit: int = 16):
 
 
 def run_vllm_quality(codecs, quick: bool = False, progress: Callable[[str], None] = print) -> dict:
+    from kvtier.bench.vllm.harness import Engine, cpu_environment
     from kvtier.codecs import resolve_codec
     from kvtier.demo_model import ensure_demo_model
-    from kvtier.bench.vllm.harness import Engine, cpu_environment
 
     cpu_environment()
     model = str(ensure_demo_model("tiny", progress=progress))

@@ -171,7 +171,6 @@ def serving_overhead(model: str, base: Path, pairs: int, tokens: int, window: st
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvtier.bench.vllm.harness import Engine, cpu_environment
-
     from kvtier.serve import is_cpu_only
 
     if is_cpu_only():  # as `kvtier serve` runs it: vLLM computes on all cores but one, kvtier's threads use that one

@@ -67,7 +67,8 @@ def served_decode(model: str, base: Path, tokens: int, rounds: int = 5, alternat
     prefill: dict[bool, list[float]] = {False: [], True: []}
     for k in range(alternations):
         for kvtier in (False, True):
-            progress(f"decode through a real server: {'kvtier serve' if kvtier else 'plain vLLM'} ({k + 1}/{alternations})")
+            which = "kvtier serve" if kvtier else "plain vLLM"
+            progress(f"decode through a real server: {which} ({k + 1}/{alternations})")
             server = Served(model, base, f"decode-{k}-{kvtier}", 4096 + 256, connector=kvtier,
                             write_behind=write_behind)
             try:
@@ -110,8 +111,8 @@ def tp2_figures(quick: bool = False, progress: Callable[[str], None] = print) ->
     import statistics
     import urllib.request
 
-    from kvtier.demo_model import ensure_demo_model
     from kvtier.bench.vllm.served import Served
+    from kvtier.demo_model import ensure_demo_model
 
     model = str(ensure_demo_model("tiny", progress=lambda m: progress(m)))
     count, tokens = (2, 8000) if quick else (3, 16000)  # long enough that recompute is not the step floor
@@ -155,16 +156,17 @@ def tp2_figures(quick: bool = False, progress: Callable[[str], None] = print) ->
     return {"tp2_outputs_identical": same / count,
             "_tp2_plain_recomputed_vs_prefix_hit_identical": sum(a["text"] == b["text"] for a, b in
                                                                  zip(reference, same_split)) / count,
-            "tp2_restore_vs_recompute_ttft": statistics.median(b["ttft"] / a["ttft"] for a, b in zip(reference, loaded)),
+            "tp2_restore_vs_recompute_ttft": statistics.median(b["ttft"] / a["ttft"] for a, b in zip(reference,
+                                                                                                     loaded)),
             "_tp2_recompute_ttft_s": [round(r["ttft"], 3) for r in reference],
             "_tp2_restored_ttft_s": [round(r["ttft"], 3) for r in loaded],
             "_tp2_prompt_tokens": tokens, "_tp2_hit_nvme_blocks": hit}
 
 
 def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print, tp2: bool = True) -> dict:
+    from kvtier.bench.vllm.harness import Engine, cpu_environment
     from kvtier.demo_model import ensure_demo_model
     from kvtier.index import Tier
-    from kvtier.bench.vllm.harness import Engine, cpu_environment
 
     cpu_environment()
     sizes = {"4k": 4096, "16k": 4096 if quick else 16384}

@@ -151,8 +151,8 @@ def store_down(model: str, base: Path, server, requests: int, prompt_tokens: int
 def run_shared_bench(quick: bool = False, progress: Callable[[str], None] = print, model: str | None = None) -> dict:
     from kvtier.bench.redisproc import RedisServer
     from kvtier.bench.shared import run_client_ratios, run_foreign_values
-    from kvtier.demo_model import ensure_demo_model
     from kvtier.bench.vllm.harness import cpu_environment
+    from kvtier.demo_model import ensure_demo_model
 
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-shared-") as tmp:
