@@ -22,7 +22,6 @@ from kvtier.tiers.nvme import NvmeStore
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from kvtier.config import Settings
     from kvtier.tiers.shared import SharedConfig
 
 __all__ = ["TierEngine"]
@@ -81,13 +80,6 @@ class TierEngine:
                                  shared_codec=resolve_codec(shared.codec, fingerprint.geometry, "shared"))
         self.mover = Mover(shard, self.arena, self.nvme, adapter, kv_layers, rank=rank, shards=fingerprint.shards,
                            **shared_kwargs)
-
-    @classmethod
-    def from_settings(cls, fingerprint: ModelFingerprint, settings: "Settings", **kwargs) -> "TierEngine":
-        return cls(fingerprint, settings.dram_bytes, settings.nvme_dir, settings.nvme_bytes, settings.policy,
-                   io_threads=settings.io_threads, direct_io=settings.direct_io,
-                   high_watermark=settings.high_watermark, low_watermark=settings.low_watermark,
-                   warm_codec=settings.warm_codec, cold_codec=settings.cold_codec, **kwargs)
 
     def execute(self, job: Job | None) -> JobResult | None:
         if job is None:  # slots freed without a job (a drop of DRAM-only blocks) are forgotten too

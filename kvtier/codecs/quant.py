@@ -55,12 +55,6 @@ class _Layout:
         return payload[start : start + size].view(dtype)
 
 
-def _kv_dtype(geometry: "KVGeometry"):
-    import torch
-
-    return getattr(torch, geometry.dtype)
-
-
 def _geometry(block: "torch.Tensor") -> "KVGeometry":
     from kvtier.codecs.base import _geometry_of
 

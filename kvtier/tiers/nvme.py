@@ -373,9 +373,6 @@ class NvmeStore:
     def num_blocks(self) -> int:
         return len(self._loc)
 
-    def keys(self) -> Iterator[Name]:
-        return iter(list(self._loc))
-
     def files(self) -> int:
         """Files holding blocks (segments and old-layout block files)."""
         return len(self._segments)
