@@ -195,7 +195,7 @@ def validate_settings(settings: Settings, sources: Mapping[str, str] | None = No
         fail("shared_ttl", "must be between 1 second and a year", "e.g. shared_ttl = 86400 (a day)")
     if settings.shared:
         from kvtier.errors import UsageError as _Usage
-        from kvtier.tiers.shared import parse_shared_url
+        from kvtier.tiers.shared_config import parse_shared_url
 
         try:
             parse_shared_url(settings.shared)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 __all__ = [
+    "SharedUnavailable",
     "EXIT_OK",
     "EXIT_FAILURE",
     "EXIT_USAGE",
@@ -80,6 +81,10 @@ class StorageError(KvtierError):
 
 class StorageFullError(StorageError):
     """The storage device is full (ENOSPC)."""
+
+
+class SharedUnavailable(StorageError):
+    """The shared store cannot be used right now (down, paused, full, refusing our credentials)."""
 
 
 class CapacityError(KvtierError):

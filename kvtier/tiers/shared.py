@@ -36,139 +36,36 @@ file (``--shared-auth-file``) or ``KVTIER_SHARED_USERNAME`` / ``KVTIER_SHARED_PA
 """
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
-from urllib.parse import urlsplit, urlunsplit
 
-from kvtier.errors import ConfigError, CorruptBlockError, StorageError, UsageError
+from kvtier.errors import ConfigError, CorruptBlockError, SharedUnavailable, StorageError
+from kvtier.tiers.resp import ZeroCopyPacker, copy_into, get_into, packed_connection, pipeline_get
+from kvtier.tiers.shared_config import SHARED_POLICIES, SharedConfig, display_url, load_credentials, parse_shared_url  # noqa: F401 - re-exported
+from kvtier.tiers.shared_keys import block_key
+from kvtier.tiers.shared_sessions import SessionEntries
 
 __all__ = ["SharedConfig", "SharedStore", "SharedUnavailable", "block_key", "parse_shared_url",
            "load_credentials", "SHARED_POLICIES", "VALUE_PREFIX"]
 
 log = logging.getLogger(__name__)
 
-SHARED_POLICIES = ("write-through", "demote")
-SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss", "unix": "unix"}
 _HEADER_BYTES = 176  # records._HEADER.size + its 8-byte checksum
 _MAC_BYTES = 16
 VALUE_PREFIX = _HEADER_BYTES + _MAC_BYTES
-_ENTRY_MAGIC = b"KVSS"
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 8.0
-
-
-class SharedUnavailable(StorageError):
-    """The shared store cannot be used right now (down, paused, full, refusing our credentials)."""
 
 
 class ForeignValue(CorruptBlockError):
     """A value in the shared store that is not a block this box may serve."""
 
 
-# ---- configuration -------------------------------------------------------------------------------
-def parse_shared_url(url: str) -> str:
-    """Check a ``--shared`` URL and return it in the form the client takes (``valkey://`` is
-    ``redis://``). A password in it is refused: it would sit in argv, ``ps`` and shell history."""
-    text = (url or "").strip()
-    hint = "e.g. --shared redis://10.0.0.5:6379/0, rediss://host:6380, or unix:///run/valkey.sock"
-    try:
-        parts = urlsplit(text)
-        port = parts.port
-    except ValueError as exc:
-        raise UsageError(f"invalid --shared URL {url!r}: {exc}", hint=hint) from None
-    scheme = SCHEMES.get(parts.scheme.lower())
-    if scheme is None:
-        raise UsageError(f"invalid --shared URL {url!r}: unknown scheme {parts.scheme!r}", hint=hint)
-    if parts.password is not None:
-        raise UsageError("the --shared URL holds a password; it would be visible in `ps` and shell history",
-                         hint="put it in a file named by --shared-auth-file (mode 600), or in "
-                              "KVTIER_SHARED_PASSWORD (and KVTIER_SHARED_USERNAME for an ACL user)")
-    if scheme == "unix":
-        if not parts.path:
-            raise UsageError(f"invalid --shared URL {url!r}: no socket path", hint=hint)
-    elif not parts.hostname:
-        raise UsageError(f"invalid --shared URL {url!r}: no host", hint=hint)
-    if port is not None and not 0 < port < 65536:
-        raise UsageError(f"invalid --shared URL {url!r}: port {port}", hint=hint)
-    db = parts.path.strip("/") if scheme != "unix" else ""
-    if db and not db.isdigit():
-        raise UsageError(f"invalid --shared URL {url!r}: database {db!r} is not a number", hint=hint)
-    if scheme == "unix":  # urlunsplit would drop the "//" of an empty host
-        return f"unix://{parts.path}" + (f"?{parts.query}" if parts.query else "")
-    return urlunsplit((scheme, parts.netloc, parts.path, parts.query, ""))
-
-
-def display_url(url: str) -> str:
-    """The URL without any user name (what status and logs show)."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return f"unix://{parts.path}"
-    netloc = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-def load_credentials(auth_file: str | None = None, env: Mapping[str, str] | None = None) -> tuple[str | None,
-                                                                                                  str | None]:
-    """(username, password) from ``auth_file`` (one line: the password; two lines: user name, then
-    password; mode 600 required) or ``KVTIER_SHARED_USERNAME`` / ``KVTIER_SHARED_PASSWORD``."""
-    env = os.environ if env is None else env
-    if auth_file:
-        from kvtier.secrets import read_private_file
-
-        text = read_private_file(auth_file, "--shared-auth-file",
-                                 "a file with the password (or a user name line, then the password), mode 600")
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        if len(lines) not in (1, 2):
-            raise ConfigError(f"--shared-auth-file {auth_file}: expected 1 line (password) or 2 (user name, "
-                              f"password), found {len(lines)}", hint="one value per line, nothing else")
-        return (lines[0] if len(lines) == 2 else env.get("KVTIER_SHARED_USERNAME") or None), lines[-1]
-    return env.get("KVTIER_SHARED_USERNAME") or None, env.get("KVTIER_SHARED_PASSWORD") or None
-
-
-@dataclass(frozen=True)
-class SharedConfig:
-    """How to reach the store and how to use it (parsed from the connector's extra config)."""
-
-    url: str
-    policy: str = "write-through"
-    ttl_s: int = 24 * 3600
-    timeout_s: float = 0.5
-    codec: str = "none+zstd"
-    auth_file: str | None = None
-    ca_file: str | None = None
-
-    @classmethod
-    def from_connector(cls, config) -> "SharedConfig | None":
-        """From the connector's ``kvtier.connector_config.ConnectorConfig`` (None: no shared tier)."""
-        if not config.shared:
-            return None
-        if config.shared_policy not in SHARED_POLICIES:
-            raise ConfigError(f"unknown shared policy {config.shared_policy!r}",
-                              hint=f"one of: {', '.join(SHARED_POLICIES)}")
-        return cls(parse_shared_url(config.shared), config.shared_policy, config.shared_ttl_s, config.shared_timeout_s,
-                   config.shared_codec, config.shared_auth_file, config.shared_ca_file)
-
-
-# ---- keys ----------------------------------------------------------------------------------------
-def block_key(namespace: bytes, key: bytes, rank: int = 0) -> bytes:
-    return b"kvt1:b:%s:%s:%d" % (namespace.hex().encode(), key.hex().encode(), rank)
-
-
-def _entry_key(fingerprint: bytes, session_id: str) -> bytes:
-    return b"kvt1:s:%s:%s" % (fingerprint.hex().encode(), session_id.encode())
-
-
-def _sessions_key(fingerprint: bytes) -> bytes:
-    return b"kvt1:sessions:%s" % fingerprint.hex().encode()
-
-
 # ---- the store -----------------------------------------------------------------------------------
-class SharedStore:
+class SharedStore(SessionEntries):
     """One box's (one rank's) client of the shared store. Thread-safe."""
 
     name = "shared"
@@ -218,7 +115,7 @@ class SharedStore:
 
                 client.close()
                 client = RedisCluster.from_url(self.config.url,
-                                               connection_class=_packed_connection(self.config.url), **common)
+                                               connection_class=packed_connection(self.config.url), **common)
                 self.cluster = True
         return client
 
@@ -418,8 +315,8 @@ class SharedStore:
         names = [block_key(ns, key, self.rank) for ns, key, _dst in reads]
         targets = [_as_bytes_view(dst, writable=True) for _ns, _key, dst in reads]
         try:
-            got = self._call(lambda client: _get_into(client, names, targets) if not self.cluster
-                             else _copy_into(_pipeline_get(client, names), targets))
+            got = self._call(lambda client: get_into(client, names, targets, VALUE_PREFIX) if not self.cluster
+                             else copy_into(pipeline_get(client, names), targets, VALUE_PREFIX))
         except SharedUnavailable as exc:
             self.counters["get_skipped"] += len(reads)
             return [exc] * len(reads)
@@ -490,109 +387,6 @@ class SharedStore:
     def delete_many(self, blocks: Iterable[tuple[bytes, bytes]]) -> int:
         return self.delete_keys([block_key(ns, key, self.rank) for ns, key in blocks])
 
-    # ---- sessions -------------------------------------------------------------------------------
-    def publish_sessions(self, fingerprint: bytes, entries: Sequence[dict]) -> int:
-        """Publish session entries (``session_id``, ``namespace``, ``keys``, ``token_ids``, ``num_tokens``,
-        ``pinned``, ``box``, ``codec``): what another box needs to list and restore them."""
-        if not entries:
-            return 0
-        import orjson
-
-        ttl, index = self.config.ttl_s, _sessions_key(fingerprint)
-        now = time.time()
-        blobs = []
-        for entry in entries:
-            body = orjson.dumps({**entry, "v": 1, "published": now,
-                                 "namespace": entry["namespace"].hex(),
-                                 "keys": base64.b64encode(b"".join(entry["keys"])).decode(),
-                                 "key_len": len(entry["keys"][0]) if entry["keys"] else 0,
-                                 "token_ids": base64.b64encode(_tokens_bytes(entry.get("token_ids"))).decode()})
-            blobs.append((entry["session_id"], _ENTRY_MAGIC + self._mac(body) + body))
-
-        def publish(client):
-            pipe = client.pipeline(transaction=False)
-            for session_id, blob in blobs:
-                pipe.set(_entry_key(fingerprint, session_id), blob, ex=ttl)
-            pipe.zadd(index, {session_id: now for session_id, _ in blobs})
-            pipe.expire(index, ttl)
-            return pipe.execute()
-
-        self._call(publish)
-        self.counters["sessions_published"] += len(blobs)
-        return len(blobs)
-
-    def unpublish_session(self, fingerprint: bytes, session_id: str) -> None:
-        def remove(client):
-            pipe = client.pipeline(transaction=False)
-            pipe.delete(_entry_key(fingerprint, session_id))
-            pipe.zrem(_sessions_key(fingerprint), session_id)
-            return pipe.execute()
-
-        self._call(remove)
-
-    def session_entry(self, fingerprint: bytes, session_id: str) -> dict | None:
-        """A published session (keys as bytes, token ids as a list), or None: missing, expired, or
-        not signed by a trusted key."""
-        blob = self._call(lambda client: client.get(_entry_key(fingerprint, session_id)))
-        return self._parse_entry(blob, full=True)
-
-    def list_sessions(self, fingerprint: bytes, limit: int = 1000) -> list[dict]:
-        """The sessions other boxes (and this one) published for this model, newest first, without
-        their keys and token ids."""
-        index = _sessions_key(fingerprint)
-        ids = self._call(lambda client: client.zrevrange(index, 0, limit - 1))
-        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
-        if not ids:
-            return []
-
-        def get_all(client):
-            pipe = client.pipeline(transaction=False)
-            for session_id in ids:
-                pipe.get(_entry_key(fingerprint, session_id))
-            return pipe.execute()
-
-        blobs = self._call(get_all)
-        out, gone = [], []
-        for session_id, blob in zip(ids, blobs):
-            entry = self._parse_entry(blob, full=False)
-            if entry is None or entry.get("session_id") != session_id:
-                gone.append(session_id)
-                continue
-            out.append(entry)
-        if gone:  # expired or evicted entries: tidy the index
-            try:
-                self._call(lambda client: client.zrem(index, *gone))
-            except SharedUnavailable:
-                pass
-        return out
-
-    def _parse_entry(self, blob: bytes | None, full: bool) -> dict | None:
-        import orjson
-
-        if not blob or not blob.startswith(_ENTRY_MAGIC) or len(blob) < 4 + _MAC_BYTES:
-            return None
-        mac, body = blob[4 : 4 + _MAC_BYTES], blob[4 + _MAC_BYTES :]
-        if not self._verified(body, mac):
-            self.counters["rejected_entries"] += 1
-            return None
-        try:
-            entry = orjson.loads(body)
-            key_len = int(entry.get("key_len") or 0)
-            keys = base64.b64decode(entry["keys"])
-            entry["blocks"] = len(keys) // key_len if key_len else 0
-            if full:
-                import numpy as np
-
-                entry["keys"] = [keys[i : i + key_len] for i in range(0, len(keys), key_len)] if key_len else []
-                entry["token_ids"] = np.frombuffer(base64.b64decode(entry["token_ids"]), dtype="<u4").tolist()
-                entry["namespace"] = bytes.fromhex(entry["namespace"])
-            else:
-                del entry["keys"], entry["token_ids"]
-            return entry
-        except (ValueError, KeyError, TypeError):
-            self.counters["rejected_entries"] += 1
-            return None
-
     # ---- measurement and state ------------------------------------------------------------------
     def measure(self, nbytes: int = 4 << 20, pings: int = 5) -> tuple[float, float]:
         """(read GB/s as bytes per second, round trip in seconds): a few PINGs, then one value of
@@ -643,180 +437,6 @@ class SharedStore:
                 client.close()
             except Exception:  # noqa: BLE001
                 pass
-
-
-class ZeroCopyPacker:
-    """redis-py's command packer (RESP), except that a value given as a tuple of buffers is sent as
-    one bulk string made of them, and large buffers go to the socket as they are: a block's header
-    and its payload (a view of a DRAM slot) are never joined or copied (redis-py with hiredis copies
-    every value into one packed command)."""
-
-    LARGE = 16 << 10
-
-    @staticmethod
-    def _encode(arg) -> bytes | memoryview:
-        if isinstance(arg, (bytes, memoryview)):
-            return arg
-        if isinstance(arg, bytearray):
-            return bytes(arg)
-        if isinstance(arg, str):
-            return arg.encode()
-        if isinstance(arg, bool):
-            raise TypeError("booleans are not redis values")
-        if isinstance(arg, (int, float)):
-            return repr(arg).encode()
-        raise TypeError(f"cannot send {type(arg).__name__} to redis")
-
-    def pack(self, *args) -> list:
-        if isinstance(args[0], str):  # 'CONFIG GET' style names: separate words
-            args = tuple(args[0].encode().split()) + args[1:]
-        out: list = []
-        small: list = [b"*%d\r\n" % len(args)]
-        for arg in args:
-            parts = [self._encode(p) for p in arg] if isinstance(arg, tuple) else [self._encode(arg)]
-            small.append(b"$%d\r\n" % sum(len(p) for p in parts))
-            for part in parts:
-                if len(part) >= self.LARGE:
-                    out.append(b"".join(small))
-                    out.append(part if isinstance(part, memoryview) else memoryview(part))
-                    small = []
-                else:
-                    small.append(part)
-            small.append(b"\r\n")
-        out.append(b"".join(small))
-        return out
-
-
-def _packed_connection(url: str):
-    """A redis-py connection class (TCP or TLS) that packs with ``ZeroCopyPacker`` (cluster clients
-    take a class, not packer arguments)."""
-    from redis.connection import Connection, SSLConnection
-
-    base = SSLConnection if url.startswith("rediss://") else Connection
-
-    class Packed(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("command_packer", ZeroCopyPacker())
-            super().__init__(*args, **kwargs)
-
-    return Packed
-
-
-def _copy_into(values: Sequence[bytes | None], targets: Sequence[memoryview]) -> list:
-    """``_get_into``'s answer from values already read (a cluster's pipeline)."""
-    out: list = []
-    for value, target in zip(values, targets):
-        if value is None:
-            out.append(None)
-            continue
-        n = min(max(len(value) - VALUE_PREFIX, 0), len(target))
-        target[:n] = memoryview(value)[VALUE_PREFIX : VALUE_PREFIX + n]
-        out.append((value[:VALUE_PREFIX], len(value)))
-    return out
-
-
-class _Replies:
-    """Reads RESP2 replies of pipelined GETs from a socket, bulk values straight into buffers."""
-
-    def __init__(self, sock):
-        self.sock = sock
-        self.buf = bytearray()
-
-    def _fill(self) -> None:
-        chunk = self.sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("the shared store closed the connection")
-        self.buf += chunk
-
-    def line(self) -> bytes:
-        while True:
-            end = self.buf.find(b"\r\n")
-            if end >= 0:
-                line = bytes(self.buf[:end])
-                del self.buf[: end + 2]
-                return line
-            if len(self.buf) > 1 << 16:
-                raise ConnectionError("the shared store sent a reply line over 64 KiB")
-            self._fill()
-
-    def into(self, view: memoryview) -> None:
-        """Exactly ``len(view)`` bytes into ``view``: what is buffered first, then from the socket."""
-        have = min(len(self.buf), len(view))
-        if have:
-            view[:have] = self.buf[:have]
-            del self.buf[:have]
-        while have < len(view):
-            got = self.sock.recv_into(view[have:])
-            if not got:
-                raise ConnectionError("the shared store closed the connection")
-            have += got
-
-    def skip(self, n: int) -> None:
-        scratch = memoryview(bytearray(min(n, 1 << 20)))
-        while n:
-            step = min(n, len(scratch))
-            self.into(scratch[:step])
-            n -= step
-
-
-def _get_into(client, names: Sequence[bytes], targets: Sequence[memoryview]) -> list:
-    """Pipelined GETs on one connection of a standalone store, each value's header and signature
-    into a small buffer and its payload straight from the socket into its target (no bytes object,
-    no copy). Returns per name None (missing) or (prefix, value length). Any fault leaves the
-    connection closed, never half-read."""
-    import redis
-
-    pool = client.connection_pool
-    conn = pool.get_connection()  # (redis-py: checks it is healthy and connects it)
-    try:
-        conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]))
-        replies = _Replies(conn._sock)
-        out: list = []
-        for target in targets:
-            head = replies.line()
-            if head.startswith(b"-"):  # e.g. WRONGTYPE: something else under our key: refused, not served
-                out.append((b"", -1))
-                continue
-            if not head.startswith((b"$", b"_")):
-                raise redis.ConnectionError(f"unexpected reply to GET: {head[:40]!r}")
-            if head == b"_":  # RESP3's null, should the server speak it anyway
-                out.append(None)
-                continue
-            total = int(head[1:])
-            if total < 0:
-                out.append(None)
-                continue
-            prefix = bytearray(min(total, VALUE_PREFIX))
-            replies.into(memoryview(prefix))
-            body = total - len(prefix)
-            room = min(body, len(target))
-            replies.into(target[:room])
-            replies.skip(body - room)
-            replies.into(memoryview(bytearray(2)))  # CRLF
-            out.append((bytes(prefix), total))
-        if replies.buf:
-            raise redis.ConnectionError("the shared store sent more than was asked")
-        return out
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
-
-
-def _pipeline_get(client, names: Sequence[bytes]) -> list:
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.get(name)
-    return pipe.execute()
-
-
-def _tokens_bytes(token_ids) -> bytes:
-    import numpy as np
-
-    if token_ids is None:
-        return b""
-    return np.asarray(token_ids, dtype="<u4").tobytes()
 
 
 def _as_bytes_view(buffer, writable: bool = False) -> memoryview:
