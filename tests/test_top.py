@@ -19,9 +19,10 @@ from kvtier.cli.main import app as cli_app
 from kvtier.control.client import AdminClient
 from kvtier.errors import NotFoundError
 from kvtier.index import Tier
-from kvtier.tui.app import COLUMNS, TopApp
+from kvtier.tui.app import TopApp
 from kvtier.tui.collector import Collector, Nvml, replay
 from kvtier.tui.model import Snapshot
+from kvtier.tui.widgets import COLUMNS
 
 REPLAY = Path(__file__).parent / "data" / "top.jsonl"
 COLUMN_NEXT = [key for key, _ in COLUMNS].index("next")
@@ -413,8 +414,8 @@ async def test_the_shared_tier_shows_like_the_others(utc):
     blocks published, codec), its hit rate, its two links, and the store's warning in the banner."""
     from dataclasses import replace
 
-    from kvtier.tui.app import LinksPanel, TiersPanel
     from kvtier.tui.collector import _hit_rates, _tiers
+    from kvtier.tui.widgets import LinksPanel, TiersPanel
 
     first = next(replay(str(REPLAY)))
     shared = {"url": "redis://10.0.0.5:6379/0", "state": "down", "codec": "none+zstd", "published_blocks": 1234,

@@ -101,7 +101,7 @@ def register(app: typer.Typer) -> None:
 def _print_once(snapshot, json_out: bool) -> None:
     from dataclasses import asdict
 
-    from kvtier.tui.app import human_rate, idle_text
+    from kvtier.tui.widgets import human_rate, idle_text
     from kvtier.units import human_bytes
 
     if json_out:
