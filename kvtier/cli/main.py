@@ -9,14 +9,12 @@ from typing import Optional
 import typer
 from typer.core import TyperGroup
 
+from kvtier.cli.bench import bench_app
 from kvtier.cli.output import (
-    bench_progress,
-    emit_bench,
     emit_json,
     handle_errors,
     human_bytes,
     print_table,
-    run_vllm_bench,
 )
 
 __all__ = ["app", "main"]
@@ -31,8 +29,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain click help: `kvtier --help` must not load rich's markdown stack
 )
-bench_app = typer.Typer(help="Benchmarks; every figure is a ratio against a same-process reference.",
-                        no_args_is_help=True, rich_markup_mode=None)
 class _SnapshotGroup(TyperGroup):
     """``kvtier snapshot SESSION`` (take one, through the server) beside ``snapshot inspect|verify FILE``."""
 
@@ -50,7 +46,7 @@ snapshot_app = typer.Typer(cls=_SnapshotGroup, no_args_is_help=True, rich_markup
                                 "(through the server). inspect / verify FILE work with no server.")
 config_app = typer.Typer(help="Settings: flag > KVTIER_* env > kvtier.toml > defaults.", no_args_is_help=True,
                          rich_markup_mode=None)
-app.add_typer(bench_app, name="bench")
+app.add_typer(bench_app, name="bench")  # kvtier/cli/bench.py
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(config_app, name="config")
 
@@ -224,205 +220,6 @@ def serve(
                               before_stop=lambda: srv.flush_before_stop(sock, settings.stop_timeout, say),
                               stop_timeout_s=settings.stop_timeout)
     raise typer.Exit(code)
-
-
-# ---- bench --------------------------------------------------------------------------------------
-def _check_bench_dir(directory: Optional[Path]) -> None:
-    if directory is not None and not directory.is_dir():
-        from kvtier.errors import UsageError
-
-        raise UsageError(f"{directory} is not a directory", hint="pass --dir an existing directory on the disk to test")
-
-
-@bench_app.command("tiers")
-@handle_errors
-def bench_tiers(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    quick: bool = typer.Option(False, "--quick", help="Smaller sizes; finishes in under a minute."),
-    directory: Optional[Path] = typer.Option(None, "--dir", help="Where to write (default: the current dir)."),
-) -> None:
-    """DRAM, NVMe, snapshot and index speed vs memcpy / raw direct IO."""
-    from kvtier.bench.tiers import TIERS_KEYS, run_tiers_bench
-
-    _check_bench_dir(directory)
-    results = run_tiers_bench(quick=quick, directory=str(directory) if directory else None,
-                              progress=bench_progress(json_out))
-    emit_bench("kvtier bench tiers", TIERS_KEYS, results, json_out)
-
-
-@bench_app.command("serve")
-@handle_errors
-def bench_serve(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    quick: bool = typer.Option(False, "--quick", help="4k prompts only and a shorter decode."),
-    tp2_only: bool = typer.Option(False, "--tp2-only", help="Only the tensor-parallel (TP=2) figures."),
-) -> None:
-    """Real vLLM: restored vs recomputed TTFT, decode and prefill overhead (mid demo model), and
-    TP=2 outputs and restore TTFT against plain vLLM at TP=2 (tiny demo model)."""
-    from kvtier.bench.vllm.serve import SERVE_KEYS, run_serve_bench, tp2_figures
-
-    if tp2_only:
-        run_vllm_bench("kvtier bench serve", tuple(k for k in SERVE_KEYS if k.startswith("tp2_")),
-                       lambda progress: tp2_figures(quick=quick, progress=progress), json_out)
-        return
-    run_vllm_bench("kvtier bench serve", SERVE_KEYS, lambda progress: run_serve_bench(quick=quick, progress=progress),
-                   json_out)
-
-
-@bench_app.command("codecs")
-@handle_errors
-def bench_codecs(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    quick: bool = typer.Option(False, "--quick", help="Fewer blocks and repetitions."),
-    directory: Optional[Path] = typer.Option(None, "--dir", help="Where the NVMe files go (default: the current dir)."),
-) -> None:
-    """Codec encode/decode throughput vs memcpy, and NVMe restore per cold codec vs raw direct IO."""
-    from kvtier.bench.codecs import codec_keys, run_codecs_bench
-
-    _check_bench_dir(directory)
-    results = run_codecs_bench(quick=quick, directory=str(directory) if directory else None,
-                               progress=bench_progress(json_out))
-    emit_bench("kvtier bench codecs", codec_keys(), results, json_out)
-
-
-@bench_app.command("admin")
-@handle_errors
-def bench_admin(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    quick: bool = typer.Option(False, "--quick", help="10 s of latency, 300 fuzz requests."),
-    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Load a real vLLM engine (else an in-process one)."),
-) -> None:
-    """Admin API p99 latency under load, and a fuzz run of malformed requests."""
-    from kvtier.bench.admin import ADMIN_KEYS, run_admin_bench
-
-    run_vllm_bench("kvtier bench admin", ADMIN_KEYS,
-                   lambda progress: run_admin_bench(quick=quick, progress=progress, vllm=vllm), json_out)
-
-
-@bench_app.command("costmodel")
-@handle_errors
-def bench_costmodel(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    quick: bool = typer.Option(False, "--quick", help="1k/2k/4k tokens instead of 2k/8k/16k."),
-    size: str = typer.Option("tiny", "--size", help="Demo model: tiny or mid (mid: a 16k recompute takes minutes)."),
-) -> None:
-    """Cost-model predictions vs measured TTFT (restore, recompute), and a capped link on real vLLM."""
-    from kvtier.bench.vllm.costmodel import COSTMODEL_KEYS, run_costmodel_bench
-    from kvtier.errors import UsageError
-
-    if size not in ("tiny", "mid"):
-        raise UsageError(f"unknown --size {size!r}", hint="tiny or mid")
-    run_vllm_bench("kvtier bench costmodel", COSTMODEL_KEYS,
-                   lambda progress: run_costmodel_bench(quick=quick, size=size, progress=progress), json_out)
-
-
-@bench_app.command("faults")
-@handle_errors
-def bench_faults(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    quick: bool = typer.Option(False, "--quick", help="20 crash and 100 corruption trials instead of 200 and 1,000."),
-    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include load and disk faults against kvtier serve."),
-) -> None:
-    """Crashes (SIGKILL), corruption, DRAM pressure, hostile input, and load with disk faults on real vLLM."""
-    from kvtier.bench.faults import FAULT_KEYS, run_faults_bench
-
-    run_vllm_bench("kvtier bench faults", FAULT_KEYS,
-                   lambda progress: run_faults_bench(quick=quick, progress=progress, vllm=vllm), json_out)
-
-
-@bench_app.command("shared")
-@handle_errors
-def bench_shared(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    quick: bool = typer.Option(False, "--quick", help="2 sessions, 6 requests per phase, 3 rounds."),
-) -> None:
-    """The shared tier (Valkey/Redis): against its own client, across two kvtier serve processes, with the
-    store stopped, paused and restarted under load, and 600 forged values. Starts its own redis-server."""
-    from kvtier.bench.vllm.shared import SHARED_KEYS, run_shared_bench
-
-    run_vllm_bench("kvtier bench shared", SHARED_KEYS, lambda progress: run_shared_bench(quick=quick,
-                                                                                         progress=progress),
-                   json_out)
-
-
-@bench_app.command("restart")
-@handle_errors
-def bench_restart(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    quick: bool = typer.Option(False, "--quick", help="2k-token sessions, a 3 s write-behind window, one A/B round."),
-) -> None:
-    """Sessions across a stop and a SIGKILL of real kvtier serve processes; catalog start-up; overhead."""
-    from kvtier.bench.vllm.restart import RESTART_KEYS, run_restart_bench
-
-    run_vllm_bench("kvtier bench restart", RESTART_KEYS,
-                   lambda progress: run_restart_bench(quick=quick, progress=progress), json_out)
-
-
-@bench_app.command("top")
-@handle_errors
-def bench_top(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    quick: bool = typer.Option(False, "--quick", help="15 s of CPU measurement instead of 60 s."),
-    sessions: int = typer.Option(1000, "--sessions", min=1, max=100_000, help="Sessions on the server."),
-) -> None:
-    """CPU of `kvtier top` at a 1 s refresh with 1,000 sessions, and key-to-screen latency (real pty)."""
-    from kvtier.bench.top import TOP_KEYS, run_top_bench
-
-    results = run_top_bench(quick=quick, progress=bench_progress(json_out), sessions=sessions)
-    emit_bench("kvtier bench top", TOP_KEYS, results, json_out)
-
-
-QUALITY_KEYS = ("size_ratio", "top1_agreement", "kl", "needle_acc_128k", "rel_mse_k", "rel_mse_v")
-
-
-@bench_app.command("quality")
-@handle_errors
-def bench_quality(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object: one entry per codec."),
-    quick: bool = typer.Option(False, "--quick", help="Needles up to 16k keys, fewer trials and prompts."),
-    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include the real-vLLM figures (top-1, KL)."),
-    trials: int = typer.Option(0, "--trials", min=0, max=100_000, help="Needle trials per size (default 200)."),
-    long_trials: int = typer.Option(0, "--long-trials", min=0, max=100_000,
-                                    help="Needle trials at the largest size (default: --trials)."),
-) -> None:
-    """Codec quality: reconstruction error, needle retrieval up to 128k keys, top-1 and KL via vLLM."""
-    import contextlib
-    import sys
-
-    from kvtier.bench.quality import QUALITY_CODECS, run_quality_harness
-
-    progress = bench_progress(json_out)
-    captured, per_codec, context = None, {}, {}
-    if vllm:
-        from kvtier.bench.vllm.quality import run_vllm_quality
-
-        with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
-            out = run_vllm_quality(QUALITY_CODECS, quick=quick, progress=progress)
-        captured, per_codec = out["captured"], out["per_codec"]
-        context = {k: v for k, v in out.items() if k.startswith("_")}
-    results = run_quality_harness(quick=quick, captured=captured, progress=progress, trials=trials or None,
-                                  long_trials=long_trials or None)
-    for spec, entry in results.items():
-        entry.update(per_codec.get(spec, {}))
-        if spec == "none":
-            entry.update(top1_agreement=1.0, kl=0.0)
-        entry["_kv_source"] = "demo model via vLLM" if captured is not None else "synthetic"
-    ordered = {spec: {**{k: entry.get(k) for k in QUALITY_KEYS}, **{k: v for k, v in entry.items()
-                                                                      if k not in QUALITY_KEYS}}
-               for spec, entry in results.items()}
-    if json_out:
-        emit_json(ordered)
-        return
-    columns = ["codec", *QUALITY_KEYS, "attn_err"] + [k for k in next(iter(ordered.values()))
-                                                     if k.startswith("needle_acc") and k != "needle_acc_128k"]
-
-    def fmt(value):
-        return "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
-
-    print_table("kvtier bench quality", columns,
-                [(spec, *[fmt(entry.get(c)) for c in columns[1:]]) for spec, entry in ordered.items()])
-    if context:
-        typer.echo(", ".join(f"{k.lstrip('_')}={v}" for k, v in context.items()))
 
 
 @app.command("demo")
