@@ -246,6 +246,7 @@ def _make_handler(ops: Ops, token: str | None):
     in pieces; each blocking call is a GIL hand-off, which under engine load costs up to a switch
     interval, so fewer calls is lower tail latency."""
     from kvtier.control import api
+    from kvtier.control.metrics import metrics
 
     expected = f"Bearer {token}".encode() if token is not None else None
 
@@ -378,7 +379,7 @@ def _make_handler(ops: Ops, token: str | None):
                 name, params = _route(method, path)
                 body = _body(name, request.body) if method == "POST" else {}
                 if name == "metrics":
-                    return 200, api.metrics(ops), _TEXT, False
+                    return 200, metrics(ops), _TEXT, False
                 status, payload = api.handle(ops, name, params, _query(query), body, fds)
                 return status, orjson.dumps(payload), _JSON, False
             except ApiError as exc:
