@@ -301,7 +301,7 @@ def test_rate_refresh_waits_for_a_quiet_engine_but_not_forever():
     import threading
     import time
 
-    from plugins.vllm.scheduler import wait_until_quiet
+    from kvtier.plugins.vllm.timing import wait_until_quiet
 
     stopping = threading.Event()
     last = [time.monotonic()]

@@ -29,13 +29,11 @@ import os
 import threading
 import time
 import urllib.request
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import write_behind_seconds
 from kvtier.connector_config import ConnectorConfig
-from kvtier.costmodel import DEFAULT_RATES, CostModel, measure_rates, parse_link_caps
 from kvtier.decide import LoadCandidate, blocks_to_load, worth_keeping
 from kvtier.index import IN_DRAM, namespace_of, validate_session_id
 from kvtier.jobs import Job, JobKind, RankMerger
@@ -43,9 +41,10 @@ from kvtier.layout import ModelFingerprint
 from kvtier.manager import TierManager
 from kvtier.plugins.vllm import turns
 from kvtier.plugins.vllm.geometry import VllmBlockKeys
+from kvtier.plugins.vllm.timing import EngineClock
 from kvtier.tiers.nvme import scan_shards
 
-__all__ = ["KVTierScheduler", "RequestState", "StepPlan", "session_of", "wait_until_quiet"]
+__all__ = ["KVTierScheduler", "RequestState", "StepPlan", "session_of"]
 
 log = logging.getLogger("kvtier.connector")
 
@@ -68,21 +67,6 @@ def admin_token_of(config: ConnectorConfig, environ: Any = None) -> str | None:
     vLLM command line."""
     environ = os.environ if environ is None else environ
     return environ.get("KVTIER_ADMIN_TOKEN") or config.admin_token
-
-
-def wait_until_quiet(idle_for: Any, stopping: threading.Event, quiet_s: float, patience_s: float) -> bool | None:
-    """Wait until ``idle_for()`` (seconds without engine activity) reaches ``quiet_s``, for at most
-    ``patience_s``. True: quiet; False: still busy after all that patience; None: ``stopping`` set."""
-    deadline = time.monotonic() + patience_s
-    while True:
-        idle = idle_for()
-        if idle >= quiet_s:
-            return True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        if stopping.wait(min(left, max(quiet_s - idle, 0.05))):
-            return None
 
 
 @dataclass
@@ -143,21 +127,18 @@ class KVTierScheduler:
         if catalog_problem:
             self.manager.warnings["catalog"] = catalog_problem
         self.write_behind_s = write_behind_seconds(config.write_behind) if cold_dir else None
-        self.cost = self._cost_model(cold_dir)
+        self._stopping = threading.Event()
+        self.requests: dict[str, RequestState] = {}
+        # the engine's steps, timed: the cost model (links measured now and while serving, prefill fitted
+        # from the steps) and how long the engine has been idle
+        self.clock = EngineClock(config, self.manager, self.requests, cold_dir, self._stopping)
+        self.cost = self.clock.cost
         self.manager.cost = self.cost  # demotion asks it too
         self.manager.block_keys = VllmBlockKeys(vllm_config, self.block_tokens)  # restores recompute keys with it
-        self._stopping = threading.Event()
-        self._last_step = 0.0  # monotonic time of the last step start or end: the rate refresher waits for quiet
-        refresh_s = config.rates_refresh_s
-        if refresh_s > 0 and config.measure_links:
-            threading.Thread(target=self._refresh_rates, args=(cold_dir, refresh_s), name="kvtier-rates",
-                             daemon=True).start()
-        self.requests: dict[str, RequestState] = {}
         self._ranks = RankMerger(self.shards)  # a job is applied once every rank reported it
         self._stores_of: dict[str, set[int]] = {}  # request -> its STORE jobs not yet done on every rank
         self._finish_after_stores: list[str] = []  # finished, held by vLLM until their stores are done
         self._recv_now: list[str] = []  # async loads that found nothing left to load
-        self._steps: deque = deque()  # (start time, prefill shape or None) of steps in flight
         self._jobs: list[Job] = []  # planned this step, shipped by build_connector_meta
         self._missing: list[int] = []  # HBM blocks promised but not loadable: load errors
         log.info("kvtier: %s, DRAM %d slots, NVMe %s (%d blocks found)", fingerprint.model_id,
@@ -218,88 +199,14 @@ class KVTierScheduler:
                 poked_at = time.monotonic()
                 self.poke()
 
-    def _cost_model(self, nvme_dir: str | None) -> CostModel:
-        """Measured link rates (at start; ``link_gbps`` caps them) and a prefill model that the
-        engine's own step timings fit as it serves."""
-        from kvtier.codecs import get_codec
-
-        caps = parse_link_caps(self.config.link_gbps)
-        if not self.config.measure_links:
-            rates = DEFAULT_RATES.capped(caps)
-        else:
-            try:
-                rates = measure_rates(nvme_dir, caps, quick=True)
-            except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the engine
-                log.warning("kvtier: link measurement failed (%s); using defaults", exc)
-                rates = DEFAULT_RATES.capped(caps)
-        geometry = self.manager.geometry
-        model = CostModel(rates, self.block_tokens, get_codec(self.manager.warm_codec).max_bytes(geometry),
-                          get_codec(self.manager.cold_codec).max_bytes(geometry),
-                          lossy=self.manager.warm_codec != "none" or self.manager.cold_codec != "none")
-        log.info("kvtier: host->device %.2f GB/s, NVMe reads %.2f GB/s (%s)", rates.host_to_device_bps / 1e9,
-                 rates.nvme_read_bps / 1e9, rates.source)
-        return model
-
-    def _refresh_rates(self, nvme_dir: str | None, every_s: float) -> None:
-        """Re-measure the links every ``every_s`` seconds while serving (a link can degrade: PCIe
-        falls back a generation, a disk fills or throttles). Caps still apply. A measurement copies
-        and reads tens of MB: it waits for a quiet engine, so that it neither slows a forward pass
-        nor measures a link that a forward pass is using; after another period of waiting it runs
-        anyway (a box that is never idle still gets fresh figures)."""
-        caps = parse_link_caps(self.config.link_gbps)
-        while not self._stopping.wait(every_s):
-            quiet = wait_until_quiet(self._idle_for, self._stopping, quiet_s=min(1.0, every_s), patience_s=every_s)
-            if quiet is None:
-                return  # shutting down
-            if not quiet:
-                self.manager.counters["rate_refreshes_busy"] += 1
-            try:
-                rates = measure_rates(nvme_dir, caps, quick=True)
-            except Exception as exc:  # noqa: BLE001 - keep the last good figures
-                log.warning("kvtier: link re-measurement failed (%s); keeping the last figures", exc)
-                continue
-            self.cost.refresh_rates(rates)
-            self.manager.counters["rate_refreshes"] += 1
-
     def _idle_for(self) -> float:
-        """Seconds since the engine last started or finished a step; 0 while a step is running."""
-        return 0.0 if self._steps else time.monotonic() - self._last_step
-
-    def prefill_shape(self, scheduler_output: Any) -> tuple[int, int] | None:
-        """(start, tokens) when this step runs one prefill chunk and nothing else: its forward time
-        is a clean sample for the cost model."""
-        scheduled = scheduler_output.num_scheduled_tokens
-        if len(scheduled) != 1:
-            return None
-        req_id, tokens = next(iter(scheduled.items()))
-        state = self.requests.get(req_id)
-        if state is None:
-            return None
-        request = state.request
-        start = request.num_computed_tokens  # not yet advanced: vLLM builds our metadata first
-        if start + tokens > getattr(request, "num_prompt_tokens", request.num_tokens):
-            return None  # this step also decodes
-        return start, tokens
+        return self.clock.idle_for()
 
     def step_started(self, scheduler_output: Any) -> None:
-        """A step is about to run (vLLM builds our metadata right before executing it)."""
-        if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
-            return
-        self._last_step = time.monotonic()
-        self._steps.append((time.perf_counter(), self.prefill_shape(scheduler_output)))
-        if len(self._steps) > 4:  # steps we were never told the end of: start over
-            self._steps.clear()
+        self.clock.step_started(scheduler_output)
 
     def step_finished(self) -> None:
-        """The oldest step's output is in: a prefill-only step's wall time (forward, sampling, and
-        kvtier's own synchronous stores, which a recompute pays too) teaches the prefill model.
-        With two steps in flight (async scheduling) the interval overlaps another step: skipped."""
-        if not self._steps:
-            return
-        self._last_step = time.monotonic()
-        started, shape = self._steps.popleft()
-        if shape is not None and not self._steps:
-            self.cost.observe_prefill(shape[0], shape[1], time.perf_counter() - started)
+        self.clock.step_finished()
 
     # ---- admin API ------------------------------------------------------------------------------
     def _start_admin(self, config: ConnectorConfig) -> None:
