@@ -132,7 +132,8 @@ def test_meta_must_be_json(tmp_path):
 
 
 def test_small_io_chunks_split_blocks_across_buffers(tmp_path, monkeypatch):
-    monkeypatch.setattr(snap, "IO_CHUNK", 3 * PAGE)
+    for part in (snap.format, snap.read, snap.write):  # each module's own name for it
+        monkeypatch.setattr(part, "IO_CHUNK", 3 * PAGE)
     path = tmp_path / "s.kvsnap"
     sizes = [10 * PAGE + 7, 1, 0, PAGE, 2 * PAGE, 7 * PAGE]
     _info, payloads = _write(path, sizes, token_ids=list(range(3000)))
@@ -201,7 +202,8 @@ def test_truncated_file(tmp_path, keep):
 
 
 def test_truncated_after_open_and_abandoned_reads(tmp_path, monkeypatch):
-    monkeypatch.setattr(snap, "IO_CHUNK", 2 * PAGE)
+    for part in (snap.format, snap.read, snap.write):
+        monkeypatch.setattr(part, "IO_CHUNK", 2 * PAGE)
     path = tmp_path / "s.kvsnap"
     info, payloads = _write(path, [PAGE] * 6)
     blocks = read_blocks(info)
@@ -386,7 +388,7 @@ def test_crafted_header_not_json(tmp_path, header, fragment):
 
 
 def test_crafted_huge_block_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(snap, "MAX_BLOCKS", 4)
+    monkeypatch.setattr(snap.read, "MAX_BLOCKS", 4)
     blocks = [_blk(PAGE, 0) for _ in range(5)]
     path = _craft(tmp_path / "c.kvsnap", _doc(blocks), payload_offset=PAGE)
     with pytest.raises(SnapshotError) as excinfo:
@@ -422,7 +424,7 @@ def test_enospc_is_a_snapshot_error(tmp_path, monkeypatch):
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(snap.os, "pwrite", full)
+    monkeypatch.setattr(snap.write.os, "pwrite", full)
     with pytest.raises(SnapshotError) as excinfo:
         _write(path, [PAGE, PAGE])
     _snap_error(excinfo, path, "no space")
