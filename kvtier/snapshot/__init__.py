@@ -28,44 +28,18 @@ torch is imported only when a torch tensor is passed in.
 """
 from __future__ import annotations
 
-from kvtier.snapshot.format import (  # noqa: F401 - the package's names
-    _CORRUPT,
-    _DIRECT_DIRS,
-    _IDLE_BUFFERS,
-    _IDLE_LOCK,
-    _NO_SPACE,
-    _PIECE,
+from kvtier.snapshot.format import (  # noqa: F401 - the file format's constants, for tools and tests
     _PREAMBLE,
-    _TRUNCATED,
-    _U64,
-    _WIDEST_XXH3,
     FORMAT_VERSION,
     IO_CHUNK,
-    IO_DEPTH,
     MAGIC,
-    MAX_BLOCKS,
     MAX_HEADER_BYTES,
     PREAMBLE_BYTES,
     BlockEntry,
     SnapshotInfo,
-    _bytes_view,
-    _direct_ok,
-    _fail,
-    _give_buffers,
-    _take_buffer,
     shard_path,
 )
-from kvtier.snapshot.read import (  # noqa: F401
-    _check_fingerprint,
-    _check_layout,
-    _copy_into,
-    _fingerprint_from,
-    _get,
-    _info_from,
-    _open_file,
-    _plan,
-    _read_chunk,
-    _stream,
+from kvtier.snapshot.read import (
     header_cap,
     open_snapshot,
     overwrite_refusal,
@@ -73,11 +47,7 @@ from kvtier.snapshot.read import (  # noqa: F401
     remove_stale_temp_files,
     verify_snapshot,
 )
-from kvtier.snapshot.write import (  # noqa: F401
-    SnapshotWriter,
-    _pwrite_all,
-    write_snapshot,
-)
+from kvtier.snapshot.write import SnapshotWriter, write_snapshot
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "BlockEntry", "SnapshotInfo", "SnapshotWriter", "write_snapshot",
            "header_cap", "open_snapshot", "overwrite_refusal", "read_blocks", "verify_snapshot",
