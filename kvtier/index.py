@@ -212,8 +212,9 @@ class BlockIndex:
             self.codecs.append(name)
         return self.codecs.index(name)
 
-    def add(self, namespace: bytes, key: bytes, flags: int) -> int:
-        """A new row for ``key`` (which must not be indexed yet)."""
+    def add(self, namespace: bytes, key: bytes, flags: int, dram_slot: int = NO_SLOT, reach: int = 0) -> int:
+        """A new row for ``key`` (which must not be indexed yet); ``dram_slot``: the slot a pending
+        block is being written to; ``reach``: the longest stored prefix through it, in tokens."""
         if self._free_rows:
             row = self._free_rows.pop()
             self._keys[row] = key
@@ -226,7 +227,8 @@ class BlockIndex:
         self._maps[namespace][key] = row
         for name in ("dram_nbytes", "nvme_nbytes", "dram_codec", "nvme_codec", "refs", "pin", "reach", "dirty_since"):
             self.col[name][row] = 0
-        self.col["dram_slot"][row] = NO_SLOT
+        self.col["dram_slot"][row] = dram_slot
+        self.col["reach"][row] = reach
         self.col["flags"][row] = flags
         self.col["ns"][row] = ns_id
         self.added += 1
@@ -241,6 +243,52 @@ class BlockIndex:
         self.col["flags"][row] = 0
         self._free_rows.append(row)
         self.removed += 1
+
+    # ---- named transitions: the only writes the manager makes to a row's tier state ----------------
+    def now_in_dram(self, row: int, slot: int, nbytes: int, codec: str, dirty: bool = False) -> None:
+        """The block's copy in DRAM slot ``slot`` is ``nbytes`` of ``codec`` (``dirty``: it has no
+        NVMe copy yet, as of now)."""
+        col = self.col
+        col["flags"][row] |= IN_DRAM
+        col["dram_slot"][row] = slot
+        col["dram_nbytes"][row] = nbytes
+        col["dram_codec"][row] = self.codec_id(codec)
+        if dirty:
+            col["dirty_since"][row] = self.now()
+
+    def now_in_nvme(self, row: int, nbytes: int, codec: str) -> None:
+        """The block has an NVMe record of ``nbytes`` of ``codec``."""
+        col = self.col
+        col["flags"][row] |= IN_NVME
+        col["nvme_nbytes"][row] = nbytes
+        col["nvme_codec"][row] = self.codec_id(codec)
+
+    def left_dram(self, row: int) -> int:
+        """The block's DRAM copy is gone; returns the slot it held."""
+        col = self.col
+        slot = int(col["dram_slot"][row])
+        col["dram_slot"][row] = NO_SLOT
+        col["flags"][row] &= ~np.uint8(IN_DRAM)
+        return slot
+
+    def left_nvme(self, row: int) -> int:
+        """The block's NVMe record is gone; returns its payload bytes."""
+        self.col["flags"][row] &= ~np.uint8(IN_NVME)
+        return int(self.col["nvme_nbytes"][row])
+
+    def settled(self, row: int) -> None:
+        """A pending block (being stored, restored or fetched) is complete: lookups may see it."""
+        self.col["flags"][row] &= ~np.uint8(PENDING)
+
+    def abandon(self, row: int) -> None:
+        """A pending block whose job failed: forgotten, as if never added."""
+        self.col["flags"][row] = 0
+        self.remove(row)
+
+    def pin_at_least(self, row: int, tier: int) -> None:
+        """The block takes the hottest pin of the sessions holding it (``tier``: a ``Tier`` value)."""
+        pin = self.col["pin"]
+        pin[row] = tier if pin[row] == 0 else min(int(pin[row]), tier)
 
     def key_of(self, row: int) -> tuple[bytes, bytes]:
         key = self._keys[row]

@@ -140,7 +140,7 @@ class TierManager(SessionOps):
 
     def _adopt_nvme_block(self, namespace: bytes, key: bytes, nbytes: int) -> None:
         row = self.index.add(namespace, key, IN_NVME)
-        self.index.col["nvme_nbytes"][row] = nbytes
+        self.index.now_in_nvme(row, nbytes, "none")  # (the scan reads sizes; a load learns the codec)
         self._nvme_used += file_bytes_for(nbytes)
         self.policies[Tier.NVME].on_insert(row, (namespace, key))
 
@@ -154,17 +154,13 @@ class TierManager(SessionOps):
             self.index.remove(row)
 
     def _release_dram(self, row: int, evicted: bool) -> None:
-        col = self.index.col
-        self.slots.free(int(col["dram_slot"][row]))
-        col["dram_slot"][row] = -1
-        col["flags"][row] &= ~np.uint8(IN_DRAM)
+        self.slots.free(self.index.left_dram(row))
         self.policies[Tier.DRAM].on_remove(row, self.index.key_of(row), evicted)
 
     def _release_nvme(self, row: int, evicted: bool) -> BlockMove:
-        col = self.index.col
-        move = self._move(row, nbytes=int(col["nvme_nbytes"][row]))
-        self._nvme_used -= file_bytes_for(int(col["nvme_nbytes"][row]))
-        col["flags"][row] &= ~np.uint8(IN_NVME)
+        nbytes = self.index.left_nvme(row)
+        move = self._move(row, nbytes=nbytes)
+        self._nvme_used -= file_bytes_for(nbytes)
         self.policies[Tier.NVME].on_remove(row, self.index.key_of(row), evicted)
         return move
 
@@ -415,9 +411,8 @@ class TierManager(SessionOps):
                 self.counters["store_deferred_blocks"] += 1
                 break
             first = position == 0
-            row = self.index.add(namespace, key, PENDING | IN_DRAM | (FIRST if first else 0))
-            self.index.col["dram_slot"][row] = slot
-            self.index.col["reach"][row] = (start + len(keys)) * self.geometry.block_tokens
+            row = self.index.add(namespace, key, PENDING | IN_DRAM | (FIRST if first else 0), dram_slot=slot,
+                                 reach=(start + len(keys)) * self.geometry.block_tokens)
             moves.append(self._move(row, dram_slot=slot, nbytes=codec.nbytes_for(self.geometry, first) or 0,
                                     device_block=device_block, codec=self.warm_codec, first=first,
                                     durable=durable))
@@ -426,24 +421,19 @@ class TierManager(SessionOps):
         return self._new_job(JobKind.STORE, moves=moves, session_id=session_id)
 
     def _complete_store(self, job: Job, result: JobResult) -> None:
-        col = self.index.col
         failed = self._failed_positions(job, result)
         session = self.sessions.get(job.session_id) if job.session_id else None
         pinned = session.pinned if session is not None else None
-        now = self.index.now()
         for i, move in enumerate(job.moves):
             row = move.row
             if i in failed:
                 self.slots.free(move.dram_slot)
-                col["flags"][row] = 0
-                self.index.remove(row)
+                self.index.abandon(row)
                 continue
-            col["flags"][row] &= ~np.uint8(PENDING)
-            col["dram_nbytes"][row] = move.nbytes
-            col["dram_codec"][row] = self.index.codec_id(move.codec)
-            col["dirty_since"][row] = now
+            self.index.settled(row)
+            self.index.now_in_dram(row, move.dram_slot, move.nbytes, move.codec, dirty=True)
             if pinned is not None:  # a pinned session's new blocks are pinned too
-                col["pin"][row] = pinned if col["pin"][row] == 0 else min(int(col["pin"][row]), pinned)
+                self.index.pin_at_least(row, pinned)
             self.policies[Tier.DRAM].on_insert(row, (move.namespace, move.key))
             self.counters["stored_blocks"] += 1
 
@@ -479,7 +469,6 @@ class TierManager(SessionOps):
         ``result.failed`` lists the blocks that did not reach their destination; of those,
         ``result.bad_reads`` could not be read back from NVMe (the store removed them).
         """
-        col = self.index.col
         not_delivered = self._failed_positions(job, result)
         bad_reads = set(result.bad_reads)
         for i, move in enumerate(job.moves):
@@ -499,10 +488,7 @@ class TierManager(SessionOps):
                 continue
             if move.dram_slot < 0:  # streamed straight through, not promoted
                 continue
-            col["flags"][row] |= IN_DRAM
-            col["dram_slot"][row] = move.dram_slot
-            col["dram_nbytes"][row] = move.nbytes
-            col["dram_codec"][row] = self.index.codec_id(move.codec)
+            self.index.now_in_dram(row, move.dram_slot, move.nbytes, move.codec)
             self.policies[Tier.DRAM].on_insert(row, (move.namespace, move.key))
 
     def _warn_bad_nvme_blocks(self) -> None:
@@ -632,9 +618,7 @@ class TierManager(SessionOps):
                 continue
             if col["flags"][row] & IN_NVME:
                 continue  # a demotion or flush wrote it too
-            col["flags"][row] |= IN_NVME
-            col["nvme_nbytes"][row] = nbytes
-            col["nvme_codec"][row] = self.index.codec_id(codec)
+            self.index.now_in_nvme(row, nbytes, codec)
             self._nvme_used += file_bytes_for(int(nbytes))
             self.policies[Tier.NVME].on_insert(row, (namespace, key))
             self.counters["written_behind_blocks"] += 1
@@ -679,9 +663,7 @@ class TierManager(SessionOps):
                     self._release_dram(row, evicted=True)
                 continue
             self._nvme_used += file_bytes_for(move.nbytes) - move.reserved  # the codec's real size
-            col["flags"][row] |= IN_NVME
-            col["nvme_nbytes"][row] = move.nbytes
-            col["nvme_codec"][row] = self.index.codec_id(move.codec)
+            self.index.now_in_nvme(row, move.nbytes, move.codec)
             self.policies[Tier.NVME].on_insert(row, (move.namespace, move.key))
             if keep:
                 self.counters["flushed_blocks"] += 1

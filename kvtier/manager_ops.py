@@ -297,8 +297,7 @@ class SessionOps:
                 self._nvme_used += size
             first = start + position == 0
             flags = PENDING | (IN_NVME if to_nvme else IN_DRAM) | (FIRST if first else 0)
-            row = self.index.add(namespace, key, flags)
-            self.index.col["dram_slot"][row] = -1 if to_nvme else slot
+            row = self.index.add(namespace, key, flags, dram_slot=-1 if to_nvme else slot)
             moves.append(self._move(row, dram_slot=-1 if to_nvme else slot, nbytes=nbytes, codec=codec,
                                     to_nvme=to_nvme, position=position, first=first, to_codec=to_codec,
                                     reserved=size, from_shared=shared))
@@ -316,7 +315,6 @@ class SessionOps:
         return self._new_job(JobKind.FETCH, moves=moves, drops=drops, session_id=session_id)
 
     def _complete_restore(self: "TierManager", job: Job, result: JobResult) -> None:
-        col = self.index.col
         failed = self._failed_positions(job, result)
         for i, move in enumerate(job.moves):
             row = move.row
@@ -325,18 +323,14 @@ class SessionOps:
                     self._nvme_used -= move.reserved
                 else:
                     self.slots.free(move.dram_slot)
-                col["flags"][row] = 0
-                self.index.remove(row)
+                self.index.abandon(row)
                 continue
-            col["flags"][row] &= ~np.uint8(PENDING)
+            self.index.settled(row)
             tier = Tier.NVME if move.to_nvme else Tier.DRAM
             if move.to_nvme:
-                col["nvme_nbytes"][row] = move.nbytes
-                col["nvme_codec"][row] = self.index.codec_id(move.codec)
+                self.index.now_in_nvme(row, move.nbytes, move.codec)
             else:
-                col["dram_nbytes"][row] = move.nbytes
-                col["dram_codec"][row] = self.index.codec_id(move.codec)
-                col["dirty_since"][row] = self.index.now()
+                self.index.now_in_dram(row, move.dram_slot, move.nbytes, move.codec, dirty=True)
             self.policies[tier].on_insert(row, (move.namespace, move.key))
             self.counters["fetched_blocks" if job.kind == JobKind.FETCH else "restored_blocks"] += 1
 
