@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from kvtier.codecs import get_codec, transcode
 from kvtier.errors import KvtierError
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult
+from kvtier.mover_behind import WRITE_BEHIND_BYTES, WriteBehind
+from kvtier.mover_files import FileMoves
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -41,11 +43,9 @@ __all__ = ["Mover"]
 
 log = logging.getLogger(__name__)
 
-WRITE_BEHIND_BYTES = 8 << 20  # one write-behind group commit at most
-RESTORE_BATCH_BYTES = 32 << 20  # a restore's blocks bound for NVMe, per group commit
 
 
-class Mover:
+class Mover(WriteBehind, FileMoves):
     def __init__(
         self,
         fingerprint: "ModelFingerprint",
@@ -308,111 +308,6 @@ class Mover:
                 self.slot_owner.pop(slot, None)
                 self.dirty.pop(slot, None)
 
-    def _write_behind_buffer(self, max_bytes: int) -> "torch.Tensor":
-        """A page-aligned buffer for one write-behind batch (at least one slot), kept between calls."""
-        size = max(self.arena.slot_bytes, max_bytes)
-        buffer = getattr(self, "_wb_buffer", None)
-        if buffer is None or buffer.numel() < size:
-            from kvtier.tiers.dram import aligned_empty
-
-            buffer = self._wb_buffer = aligned_empty(size)
-        return buffer
-
-    def dirty_due(self, max_age_s: float) -> int:
-        """How many dirty slots are at least ``max_age_s`` old (pinned sessions' blocks: at once)."""
-        cutoff = time.monotonic() - max_age_s
-        with self._slots_lock:
-            return sum(1 for since in self.dirty.values() if since <= cutoff)
-
-    def write_behind(self, max_age_s: float, max_blocks: int = 64, cold_codec: str = "none",
-                     room: Callable[[int], bool] | None = None,
-                     max_bytes: int = WRITE_BEHIND_BYTES) -> tuple[list[tuple[bytes, bytes, int, str]], str | None]:
-        """Write up to ``max_blocks`` DRAM blocks (``max_bytes`` at most) that have had no NVMe copy
-        for ``max_age_s`` seconds (oldest first) to the NVMe tier as one group commit, keeping them
-        in DRAM. Returns (namespace, key, nbytes, codec) of each block written, for the manager
-        (``TierManager.note_written_behind``), and the error that stopped it (a full, read-only or
-        missing disk), if any.
-
-        Each slot is copied out under the slot lock, after checking it still holds the same block:
-        a slot the manager freed and a new store reuses is never written under the old key.
-        ``room(nbytes)`` says whether the tier may take that many more bytes of records (the
-        caller's watermark).
-        """
-        if self.store is None:
-            return [], None
-        from kvtier.errors import CapacityError
-        from kvtier.tiers.dram import round_up
-        from kvtier.tiers.records import file_bytes_for
-
-        cutoff = time.monotonic() - max_age_s
-        with self._slots_lock:
-            due = sorted((since, slot) for slot, since in self.dirty.items() if since <= cutoff)[:max_blocks]
-        buffer = self._write_behind_buffer(max_bytes)
-        batch: list[tuple[int, tuple, BlockMove, "torch.Tensor"]] = []
-        used = planned = 0
-        for _, slot in due:
-            with self._slots_lock:
-                owner = self.slot_owner.get(slot)
-                if owner is None or slot not in self.dirty:
-                    continue
-                namespace, key, nbytes, codec, first = owner
-                if batch and used + round_up(nbytes) > buffer.numel():
-                    break  # the next call takes the rest
-                payload = buffer[used : used + nbytes]  # page-aligned: written with O_DIRECT, no second copy
-                payload.copy_(self.arena.slot(slot, nbytes))
-            used += round_up(nbytes)
-            move = BlockMove(row=-1, namespace=namespace, key=key, dram_slot=slot, nbytes=nbytes, codec=codec,
-                             first=first, to_codec="" if codec == cold_codec else cold_codec)
-            if move.to_codec:
-                payload = self._transcoded(move, payload)
-            if room is not None and not room(planned + file_bytes_for(len(payload))):
-                break
-            planned += file_bytes_for(len(payload))
-            batch.append((slot, owner, move, payload))
-        outcomes = self.store.write_batch([(m.namespace, m.key, p, m.codec) for _s, _o, m, p in batch],
-                                          self.fingerprint.digest) if batch else []
-        written: list[tuple[bytes, bytes, int, str]] = []
-        error = None
-        for (slot, owner, move, _payload), outcome in zip(batch, outcomes):
-            if isinstance(outcome, CapacityError):  # kvtier's own NVMe budget: demotion makes room, not an error
-                log.info("kvtier: write-behind paused: %s", outcome)
-                continue
-            if isinstance(outcome, BaseException):  # the disk is full, read-only, gone...: tell the manager
-                if error is None:
-                    log.warning("kvtier: write-behind of block %s failed: %s", move.key.hex()[:16], outcome)
-                error = str(outcome)
-                continue
-            with self._slots_lock:
-                if self.slot_owner.get(slot) == owner:
-                    self.dirty.pop(slot, None)
-            with self._lock:
-                self.link_bytes["dram->nvme"] += move.nbytes
-            written.append((move.namespace, move.key, move.nbytes, move.codec))
-        if self.publisher is not None and written:
-            done = {(namespace, key) for namespace, key, _n, _c in written}
-            self.publisher.went_cold([m for _s, _o, m, _p in batch if (m.namespace, m.key) in done])
-        if error:
-            self.disk_failing, self.disk_failed_at = True, time.monotonic()
-        elif written:
-            self.disk_failing = False
-        return written, error
-
-    def write_back(self, cold_codec: str = "none") -> int:
-        """Clean shutdown: write every DRAM block that has no NVMe copy to the NVMe tier, so a
-        restart finds it (write-behind with no age limit). Stops quietly when the tier is full or the
-        disk fails. Returns the blocks written."""
-        total = 0
-        while True:  # one group commit per batch, until nothing is left or the disk says no
-            written, error = self.write_behind(0.0, len(self.dirty), cold_codec, max_bytes=self.write_back_bytes)
-            total += len(written)
-            if error:
-                log.warning("kvtier: write-back stopped after %d blocks: %s", total, error)
-            if error or not written:
-                break
-        if total:
-            log.info("kvtier: wrote %d DRAM-only blocks to the NVMe tier before shutting down", total)
-        return total
-
     @staticmethod
     def _note(result: JobResult, index: int, move: BlockMove) -> None:
         """Report what was written for one move (the manager may run in another process)."""
@@ -556,38 +451,6 @@ class Mover:
     def _promote(self, job: Job, result: JobResult) -> None:
         self._give_staging(self._read_from_nvme(job, result), job)
 
-    def _demote(self, job: Job, result: JobResult) -> None:
-        self._await_slots([m.dram_slot for m in job.moves])
-        self._drop(job, result)
-        store = self._need_store()
-        blocks = []
-        for i, move in enumerate(job.moves):
-            move.nbytes = self._own_nbytes(move)
-            payload = self.arena.slot(move.dram_slot, move.nbytes)
-            if move.to_codec:  # the cold tier's codec differs from the warm one
-                payload = self._transcoded(move, payload)
-            self._note(result, i, move)
-            blocks.append((move.namespace, move.key, payload, move.codec))
-        # one group commit: durable (and in the tier's index) when it returns
-        self._collect_writes(store.write_batch(blocks, self.fingerprint.digest), job.moves, result, "dram->nvme")
-        failed = set(result.failed)
-        with self._slots_lock:
-            for i, move in enumerate(job.moves):
-                if i not in failed:
-                    self.dirty.pop(move.dram_slot, None)
-        if self.publisher is not None:
-            self.publisher.went_cold([m for i, m in enumerate(job.moves) if i not in failed])
-        if self.take_recreated():
-            result.nvme_recreated = True  # the directory had vanished: what it held is gone
-        result.disk_free = store.free_bytes()
-
-    def take_recreated(self) -> bool:
-        """Whether the NVMe directory vanished and was made again since the last call."""
-        if self.store is None or self.store.recreated <= self._recreated_seen:
-            return False
-        self._recreated_seen = self.store.recreated
-        return True
-
     def _transcoded(self, move: BlockMove, payload: "torch.Tensor") -> "torch.Tensor":
         """``payload`` re-encoded from ``move.codec`` to ``move.to_codec`` (updates the move)."""
         import torch
@@ -596,190 +459,6 @@ class Mover:
         n = transcode(payload, move.codec, move.to_codec, self.fingerprint.geometry, out, first=move.first or None)
         move.codec, move.nbytes = move.to_codec, n
         return out[:n]
-
-    def _collect_writes(self, outcomes: Sequence, moves: Sequence[BlockMove], result: JobResult, link: str) -> None:
-        for i, outcome in enumerate(outcomes):
-            if isinstance(outcome, BaseException):
-                result.failed.append(i)
-                result.error = str(outcome)
-                self.disk_failing, self.disk_failed_at = True, time.monotonic()
-                continue
-            self.disk_failing = False
-            self._count(link, moves[i].nbytes, result)
-
-    def _drop(self, job: Job, result: JobResult) -> None:
-        if job.drops:
-            self._need_store().delete_many([(move.namespace, move.key) for move in job.drops])
-
-    # ---- snapshots ----------------------------------------------------------------------------
-    def _snapshot(self, job: Job, result: JobResult) -> None:
-        """Write this rank's shard of a session to its snapshot file (``shard_path``)."""
-        import torch
-
-        from kvtier.snapshot import shard_path, write_snapshot
-
-        header = job.header or {}
-        self._await_slots([m.dram_slot for m in job.moves if not m.from_nvme])
-        bounce = torch.empty(max([self.arena.slot_bytes] + [m.nbytes for m in job.moves]), dtype=torch.uint8)
-        sizes = self._snapshot_sizes(job)  # as written, after re-encoding: this rank's own
-
-        def payloads():
-            for i, move in enumerate(job.moves):
-                if move.from_nvme:
-                    nbytes, move.codec = self._need_store().read_into(move.namespace, move.key, bounce,
-                                                                       self.fingerprint.digest)
-                    payload = bounce[:nbytes]
-                else:
-                    payload = self.arena.slot(move.dram_slot, self._own_nbytes(move))
-                if move.to_codec and move.codec != move.to_codec:
-                    payload = self._transcoded(move, payload)
-                if sizes is not None and len(payload) != sizes[i]:
-                    raise KvtierError(f"snapshot: block {i} holds {len(payload)} bytes, planned {sizes[i]}")
-                yield payload
-                self._count("tier->snapshot", len(payload), result)
-
-        blocks = payloads()
-        if sizes is None:  # a data-dependent codec on a sharded engine: encode first to learn the sizes
-            listed = [bytes(p.numpy()) for p in blocks]
-            sizes, blocks = [len(p) for p in listed], iter(listed)
-        info = write_snapshot(
-            shard_path(job.path, self.rank, self.shards), self.fingerprint, header["session_id"],
-            header["namespace"], codec=header.get("codec", job.moves[0].codec),
-            num_tokens=header["num_tokens"], keys=[m.key for m in job.moves], payloads=blocks,
-            block_nbytes=sizes, token_ids=header.get("token_ids") or (),
-            meta={"key_scheme": header["key_scheme"]} if header.get("key_scheme") else None,
-            sign_key=self._signing_key(), in_place=bool(header.get("in_place")),
-        )
-        result.path = str(info.path)
-
-    def _signing_key(self) -> bytes | None:
-        """This box's snapshot key (``kvtier.trust``), made on first use; None if it cannot be had
-        (the snapshot is then written unsigned, and restores only with --trust-unsigned)."""
-        from kvtier.errors import KvtierError
-        from kvtier.trust import signing_key
-
-        try:
-            return signing_key()
-        except (KvtierError, OSError) as exc:
-            log.warning("kvtier: snapshot written unsigned: %s", exc)
-            return None
-
-    def _snapshot_sizes(self, job: Job) -> list[int] | None:
-        """Each block's size in this rank's snapshot file, known before writing it (None when a
-        data-dependent codec makes that impossible without encoding first)."""
-        planned = (job.header or {}).get("sizes")
-        if self.shards <= 1 and planned:
-            return list(planned)
-        sizes = []
-        for move in job.moves:
-            if move.to_codec and move.codec != move.to_codec:
-                n = get_codec(move.to_codec).nbytes_for(self.fingerprint.geometry, move.first)
-            elif move.from_nvme:
-                n = self._need_store().size_of(move.namespace, move.key)
-            else:
-                n = self._own_nbytes(move)
-            if n is None:
-                return None
-            sizes.append(int(n))
-        return sizes
-
-    def _restore(self, job: Job, result: JobResult) -> None:
-        import numpy as np
-
-        from kvtier.snapshot import read_blocks, shard_path
-
-        wanted = {m.position: i for i, m in enumerate(job.moves)}  # snapshot position -> move
-        pending: list[tuple[int, bytearray]] = []  # blocks bound for NVMe, written in group commits
-        written: list[int] = []
-        outcomes: list = []
-
-        def flush() -> None:
-            if pending:
-                store = self._need_store()
-                outcomes.extend(store.write_batch([(job.moves[i].namespace, job.moves[i].key, data,
-                                                    job.moves[i].codec) for i, data in pending],
-                                                  self.fingerprint.digest))
-                written.extend(i for i, _ in pending)
-                pending.clear()
-
-        shard = shard_path(job.path, self.rank, self.shards)
-        if (job.header or {}).get("require_signed"):
-            from kvtier.errors import SnapshotError
-            from kvtier.snapshot import open_snapshot
-            from kvtier.trust import load_keys
-
-            if not open_snapshot(shard, trusted_keys=load_keys()).signed:
-                raise SnapshotError(f"snapshot shard {shard} (rank {self.rank}) is not signed by a key this "
-                                    "server trusts", hint="restore it with --trust-unsigned if you trust it",
-                                    path=str(shard))
-        for position, payload in read_blocks(shard, expected_fingerprint=self.fingerprint):
-            i = wanted.get(position)
-            if i is None:
-                continue
-            move = job.moves[i]
-            if move.to_nvme:  # the reader reuses its buffer: keep a copy for the batch
-                pending.append((i, bytearray(payload)))
-                if sum(len(data) for _, data in pending) >= RESTORE_BATCH_BYTES:
-                    flush()
-            elif move.to_codec and move.to_codec != move.codec:  # too big for a warm slot: re-encode
-                import torch
-
-                move.nbytes = transcode(torch.frombuffer(payload, dtype=torch.uint8), move.codec, move.to_codec,
-                                        self.fingerprint.geometry, self.arena.slot(move.dram_slot), first=move.first)
-                move.codec = move.to_codec
-                self._note(result, i, move)
-                self._own(move)
-                self._count("snapshot->dram", len(payload), result)
-            else:
-                self.arena.slot(move.dram_slot, len(payload)).numpy()[:] = np.frombuffer(payload, np.uint8)
-                self._own(move)
-                self._count("snapshot->dram", len(payload), result)
-        flush()
-        self._collect_writes(outcomes, [job.moves[i] for i in written], result, "snapshot->nvme")
-        result.failed = [written[k] for k in result.failed]
-
-    def _fetch(self, job: Job, result: JobResult) -> None:  # shared store -> DRAM or NVMe (both BlockStores)
-        """Blocks from the shared store into their DRAM slots (or NVMe records): every value is
-        verified (header, signature, checksum) by the store before it counts; a missing or refused
-        one fails its move, and the manager forgets its row."""
-        if self.shared is None:
-            raise KvtierError("no shared tier is configured")
-        moves = list(enumerate(job.moves))
-        targets = {i: self.arena.slot(m.dram_slot) if m.dram_slot >= 0 and not m.to_codec
-                   else self._take_staging(max(self.arena.slot_bytes, m.nbytes)) for i, m in moves}
-        outcomes = self.shared.read_batch([(m.namespace, m.key, targets[i]) for i, m in moves], self.fingerprint.digest)
-        to_nvme: list[int] = []
-        for (i, move), outcome in zip(moves, outcomes):
-            if isinstance(outcome, BaseException):
-                result.failed.append(i)
-                result.error = result.error or str(outcome)
-                continue
-            nbytes, codec = outcome
-            move.nbytes, move.codec = nbytes, codec
-            self._count("shared->dram" if not move.to_nvme else "shared->nvme", nbytes, result)
-            if move.to_nvme:
-                to_nvme.append(i)
-                continue
-            if move.to_codec and move.to_codec != codec:  # too big for a warm slot: re-encode to fit
-                move.nbytes = transcode(targets[i][:nbytes], codec, move.to_codec, self.fingerprint.geometry,
-                                        self.arena.slot(move.dram_slot), first=move.first or None)
-                move.codec = move.to_codec
-            elif move.to_codec:
-                self.arena.slot(move.dram_slot, nbytes).copy_(targets[i][:nbytes])
-            self._note(result, i, move)
-            self._own(move)
-        if to_nvme:
-            store = self._need_store()
-            outcomes = store.write_batch([(job.moves[i].namespace, job.moves[i].key, targets[i][: job.moves[i].nbytes],
-                                           job.moves[i].codec) for i in to_nvme], self.fingerprint.digest)
-            for i, outcome in zip(to_nvme, outcomes):
-                if isinstance(outcome, BaseException):
-                    result.failed.append(i)
-                    result.error = result.error or str(outcome)
-                else:
-                    self._note(result, i, job.moves[i])
-        result.failed.sort()
-        self._give_staging({i: t for i, t in targets.items()}, job)
 
     # ---- CUDA plumbing ------------------------------------------------------------------------
     def _on_stream(self):
