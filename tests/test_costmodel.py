@@ -167,10 +167,11 @@ def test_doctor_without_a_server(tmp_path):
 
     runner = CliRunner()
     out = runner.invoke(app, ["doctor", "--json", "--quick", "--nvme-dir", str(tmp_path / "nvme"), "--socket",
-                              str(tmp_path / "none.sock"), "--link-gbps", "pcie=2"])
+                              str(tmp_path / "none.sock"), "--link-gbps", "pcie=0.1"])
     assert out.exit_code == 0, out.output
     report = json.loads(out.output[out.output.index("{"):])
-    assert report["rates"]["host_to_device_gbps"] == pytest.approx(2.0)
+    # a cap far below any memcpy (2 GB/s was not, on a loaded 2-core machine): the cap is what counts
+    assert report["rates"]["host_to_device_gbps"] == pytest.approx(0.1)
     assert report["nvme"]["o_direct"] in (True, False) and report["nvme"]["free_bytes"] > 0
     assert report["kv"]["bytes_per_token"] == 2 * report["kv"]["layers"] * report["kv"]["kv_heads"] * \
         report["kv"]["head_dim"] * 2

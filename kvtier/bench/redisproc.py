@@ -176,12 +176,13 @@ def start_cluster(workdir: str | os.PathLike, nodes: int = 3) -> list[RedisServe
         for server in servers:
             server.stop()
         raise KvtierError(f"redis-cli --cluster create failed: {created.stdout[-400:]}{created.stderr[-400:]}")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        info = subprocess.run([cli, "-p", str(servers[0].port), "cluster", "info"], capture_output=True, text=True)
-        if "cluster_state:ok" in info.stdout:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # every node must know every slot, not only the first one
+        states = [subprocess.run([cli, "-p", str(s.port), "cluster", "info"], capture_output=True, text=True).stdout
+                  for s in servers]
+        if all("cluster_state:ok" in state and "cluster_slots_ok:16384" in state for state in states):
             return servers
         time.sleep(0.1)
     for server in servers:
         server.stop()
-    raise KvtierError("the redis cluster did not reach cluster_state:ok within 20 s")
+    raise KvtierError("the redis cluster did not reach cluster_state:ok on every node within 30 s")
