@@ -141,7 +141,7 @@ class TierEngine:
             sizes = self.shared.lengths(namespace, keys[have:], self.fingerprint.shards)
         except SharedUnavailable:
             return 0
-        found = next((i for i, size in enumerate(sizes) if not size), len(sizes))
+        found = self.shared.stored_prefix(sizes)
         job = self.manager.prepare_fetch(namespace, keys[have : have + found], sizes[:found], tier, start=have)
         result = self.execute(job)
         if job is None or result is None:

@@ -404,8 +404,7 @@ class Mover(WriteBehind, FileMoves):
         if not reads:
             return {}
         store = self._need_store()
-        targets = {i: self.arena.slot(m.dram_slot) if m.dram_slot >= 0 and not m.to_codec
-                   else self._take_staging(max(self.arena.slot_bytes, m.nbytes)) for i, m in reads}
+        targets = {i: self._landing(m) for i, m in reads}
         # one batch: adjacent records (a session demoted together) come back in large reads
         outcomes = store.read_batch([(m.namespace, m.key, targets[i]) for i, m in reads], self.fingerprint.digest)
         for (i, _m), outcome in zip(reads, outcomes):
@@ -428,6 +427,13 @@ class Mover(WriteBehind, FileMoves):
                 self._own(move)
         result.failed.sort()
         return targets
+
+    def _landing(self, move: BlockMove) -> "torch.Tensor":
+        """Where a block read from NVMe or the shared store lands: its DRAM slot when it keeps its
+        codec there, else a staging buffer (streamed to HBM, or re-encoded into the slot after)."""
+        if move.dram_slot >= 0 and not move.to_codec:
+            return self.arena.slot(move.dram_slot)
+        return self._take_staging(max(self.arena.slot_bytes, move.nbytes))
 
     def _take_staging(self, nbytes: int) -> "torch.Tensor":
         """A page-aligned buffer for one NVMe read that has no DRAM slot to land in (pinned with

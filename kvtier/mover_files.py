@@ -156,8 +156,7 @@ class FileMoves:
         if self.shared is None:
             raise KvtierError("no shared tier is configured")
         moves = list(enumerate(job.moves))
-        targets = {i: self.arena.slot(m.dram_slot) if m.dram_slot >= 0 and not m.to_codec
-                   else self._take_staging(max(self.arena.slot_bytes, m.nbytes)) for i, m in moves}
+        targets = {i: self._landing(m) for i, m in moves}
         outcomes = self.shared.read_batch([(m.namespace, m.key, targets[i]) for i, m in moves], self.fingerprint.digest)
         to_nvme: list[int] = []
         for (i, move), outcome in zip(moves, outcomes):

@@ -232,6 +232,14 @@ def _snapshot(ops: "Ops", session: str, body: dict, fds: list[int], **_) -> tupl
     return _write(ops, "snapshot", session, lambda: ops.manager.prepare_snapshot(session, str(path)))
 
 
+def _cache_salt(body: dict) -> str | None:
+    """The tenant's cache salt a restore names (a snapshot's or a shared session's), checked."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
+        raise ApiError(400, "cache_salt must be a non-empty string", hint="the salt the tenant's requests carry")
+    return salt
+
+
 def _restore(ops: "Ops", body: dict, fds: list[int], **_) -> tuple[int, dict]:
     handed = _handed(body, fds, writable=False)
     if handed is not None and ops.manager.fingerprint.shards > 1:
@@ -240,9 +248,7 @@ def _restore(ops: "Ops", body: dict, fds: list[int], **_) -> tuple[int, dict]:
     if handed is None and "path" not in body:
         raise ApiError(400, "restore needs a snapshot path", hint='{"path": "/data/snapshots/agent.kvsnap"}')
     tier = _tier(body.get("tier", "dram"), "tier", _TIERS)
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
-        raise ApiError(400, "cache_salt must be a non-empty string", hint="the salt the tenant's requests carry")
+    salt = _cache_salt(body)
     trust_unsigned = body.get("trust_unsigned", False)
     if not isinstance(trust_unsigned, bool):
         raise ApiError(400, "trust_unsigned must be true or false")
@@ -338,9 +344,7 @@ def _shared_restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
     shared = _need_shared(ops)
     session = validate_session_id(body.get("session") or "")
     tier = _tier(body.get("tier", "dram"), "tier", _TIERS)
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
-        raise ApiError(400, "cache_salt must be a non-empty string", hint="the salt the tenant's requests carry")
+    salt = _cache_salt(body)
     manager = ops.manager
     try:
         entry = shared.store.session_entry(manager.fingerprint.digest, session)
@@ -351,7 +355,7 @@ def _shared_restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
         sizes = shared.store.lengths(namespace, keys, manager.fingerprint.shards)
     except SharedUnavailable as exc:
         raise ApiError(503, str(exc), hint="the shared store is down or refusing us; kvtier status says why") from None
-    found = next((i for i, size in enumerate(sizes) if not size), len(sizes))
+    found = shared.store.stored_prefix(sizes)
     with ops.lock:
         ops._check_free(session)
         manager.record_session(session, namespace, keys, int(entry.get("num_tokens") or 0),

@@ -377,6 +377,11 @@ class SharedStore(SessionEntries):
         self.counters["lookups"] += 1
         return out
 
+    @staticmethod
+    def stored_prefix(sizes: Sequence[int]) -> int:
+        """How many of ``lengths``' answers, from the first, the store holds (a miss ends a prefix)."""
+        return next((i for i, size in enumerate(sizes) if not size), len(sizes))
+
     def delete_keys(self, names: Sequence[bytes]) -> int:
         try:
             return int(self._call(lambda client: sum(client.delete(name) for name in names) if self.cluster

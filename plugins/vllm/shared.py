@@ -95,7 +95,7 @@ class SharedLookups:
             except SharedUnavailable:
                 counters["shared_lookup_failures"] += 1
                 return False
-            found = next((i for i, size in enumerate(sizes) if not size), len(sizes))
+            found = self.store.stored_prefix(sizes)
             counters["shared_lookups"] += 1
             if not found:
                 counters["shared_lookup_misses"] += 1
