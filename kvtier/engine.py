@@ -22,6 +22,7 @@ from kvtier.tiers.nvme import NvmeStore
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from kvtier.costmodel import CostModel
     from kvtier.tiers.shared import SharedConfig
 
 __all__ = ["TierEngine"]
@@ -47,6 +48,7 @@ class TierEngine:
         rank: int = 0,
         shared: "SharedConfig | None" = None,
         box: str | None = None,
+        cost: "CostModel | None" = None,
     ):
         # with tensor parallelism (``fingerprint.shards`` > 1) this is one rank's engine: the manager
         # plans for the whole engine, the mover moves (and its files carry) the rank's own shard
@@ -63,7 +65,7 @@ class TierEngine:
         self.manager = TierManager(fingerprint, dram_bytes, nvme_bytes if self.nvme is not None else 0, policy,
                                    high_watermark, low_watermark, records, warm_codec, cold_codec,
                                    nvme_removed_at_start=self.nvme.removed_at_scan if self.nvme is not None else 0,
-                                   catalog=self.catalog)
+                                   catalog=self.catalog, cost=cost)
         self.arena = DramArena.for_allocator(self.manager.slots)
         adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
         shard = fingerprint.for_rank(rank) if fingerprint.shards > 1 else fingerprint
@@ -75,7 +77,7 @@ class TierEngine:
             from kvtier.tiers.shared import SharedStore
 
             self.shared = SharedStore(shared, rank)
-            self.manager.publish_sessions = True
+            self.manager.share_sessions()
             shared_kwargs = dict(shared=self.shared, shared_policy=shared.policy,
                                  shared_codec=resolve_codec(shared.codec, fingerprint.geometry, "shared"))
         self.mover = Mover(shard, self.arena, self.nvme, adapter, kv_layers, rank=rank, shards=fingerprint.shards,
@@ -108,7 +110,7 @@ class TierEngine:
             result = self.execute(job)
             if job is None or result is None:
                 break
-            stored += len(job.moves) - len(self.manager._failed_positions(job, result))
+            stored += len(job.moves) - len(result.failed_positions(job))
             before = self.manager.slots.free_slots
             self.maintain(force=self.manager.slots.free_slots == 0)
             if self.manager.slots.free_slots <= before:  # no room could be made: store no more
@@ -136,7 +138,7 @@ class TierEngine:
 
         if self.shared is None:
             return 0
-        have = len(self.manager.index.lookup(namespace, keys))
+        have = len(self.manager.peek(namespace, keys))
         try:
             sizes = self.shared.lengths(namespace, keys[have:], self.fingerprint.shards)
         except SharedUnavailable:
@@ -146,7 +148,7 @@ class TierEngine:
         result = self.execute(job)
         if job is None or result is None:
             return 0
-        return len(job.moves) - len(self.manager._failed_positions(job, result))
+        return len(job.moves) - len(result.failed_positions(job))
 
     def publish(self, timeout: float = 30.0) -> int:
         """Wait for the blocks offered to the shared store, then publish the changed sessions'

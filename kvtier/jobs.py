@@ -82,6 +82,12 @@ class JobResult:
     disk_ok: bool = True  # write-behind reports: the last write or probe succeeded
     shared: dict | None = None  # the worker's shared-tier report: its client's state and counters
 
+    def failed_positions(self, job: "Job") -> set[int]:
+        """Positions in ``job.moves`` that did not happen (all of them when the job failed as a whole)."""
+        if self.ok:
+            return set()
+        return set(self.failed) if self.failed else set(range(len(job.moves)))
+
     def merge(self, other: "JobResult") -> "JobResult":
         """Fold another rank's report of the same job into this one: a move failed if it failed on
         any rank; sizes are the largest shard's (the budgets are per rank)."""

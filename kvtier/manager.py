@@ -50,6 +50,7 @@ from kvtier.tiers.nvme import file_bytes_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.catalog import Catalog
+    from kvtier.costmodel import CostModel
 
 __all__ = ["TierManager"]
 
@@ -68,10 +69,15 @@ class TierManager(SessionOps, PressureOps, CatalogSync):
         cold_codec: str = "none",
         nvme_removed_at_start: int = 0,
         catalog: "Catalog | None" = None,
+        cost: "CostModel | None" = None,
+        block_keys: Callable[[list[int], str | None], list[bytes]] | None = None,
     ):
         """``nvme_records``: the blocks an NVMe scan found; ``nvme_removed_at_start``: the damaged
         files that scan deleted (counted, and a lasting warning); ``catalog``: the session catalog
-        to read sessions back from and to keep up to date (``sync_catalog``)."""
+        to read sessions back from and to keep up to date (``sync_catalog``); ``cost``: the
+        connector's cost model (demotion asks it whether a victim is worth writing); ``block_keys``:
+        how block keys are computed from token ids (vLLM's own hash in the connector; restores
+        recompute keys with it and never trust a file's), a sha256 chain when None."""
         self.fingerprint = fingerprint
         self.geometry = fingerprint.geometry
         self.warm_codec = resolve_codec(warm_codec, self.geometry, "warm")
@@ -94,11 +100,9 @@ class TierManager(SessionOps, PressureOps, CatalogSync):
         self._nvme_used = 0  # bytes on NVMe plus bytes reserved by unfinished demotions
         self.counters: Counter[str] = Counter()
         self.warnings: dict[str, str] = {}
-        self.cost = None  # a kvtier.costmodel.CostModel when the connector has one (demotion asks it)
-        # how block keys are computed from token ids (restores recompute them, never trust a file's):
-        # vLLM's own hash in the connector (set by the scheduler half), a sha256 chain without vLLM
-        self.block_keys: Callable[[list[int], str | None], list[bytes]] = \
-            lambda tokens, _salt: chain_block_hashes(tokens, self.geometry.block_tokens)
+        self.cost = cost
+        self.block_keys: Callable[[list[int], str | None], list[bytes]] = block_keys or (
+            lambda tokens, _salt: chain_block_hashes(tokens, self.geometry.block_tokens))
         self.turns = TurnLog()  # the last turns of each session: what was found, loaded, and why not more
         self.drops = DropLog()  # recently dropped blocks, with when and why (a later turn's miss names them)
         self._nvme_retry_at = 0.0  # after a failed NVMe write: victims are dropped until then
@@ -133,6 +137,11 @@ class TierManager(SessionOps, PressureOps, CatalogSync):
         match the recomputed ones)."""
         return str(getattr(self.block_keys, "scheme", "kvtier:sha256-chain"))
 
+    @property
+    def nvme_used(self) -> int:
+        """Bytes the NVMe tier holds, plus those reserved by demotions still under way."""
+        return self._nvme_used
+
     def _move(self, row: int, **fields) -> BlockMove:
         namespace, key = self.index.key_of(row)
         return BlockMove(row=row, namespace=namespace, key=key, **fields)
@@ -164,12 +173,42 @@ class TierManager(SessionOps, PressureOps, CatalogSync):
         return move
 
     # ---- lookups ------------------------------------------------------------------------------
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to one of the counters the admin plane and ``kvtier top`` read (the engine's
+        halves count their own events here: prompt tokens, decisions, lookups, refreshes)."""
+        self.counters[name] += n
+
+    def warn(self, name: str, message: str | None) -> None:
+        """Set (or, with None, clear) a lasting warning that ``kvtier status`` and ``top`` show."""
+        if message:
+            self.warnings[name] = message
+        else:
+            self.warnings.pop(name, None)
+
+    def share_sessions(self) -> None:
+        """A shared tier is on: from now on, changed sessions are queued for publishing (``shared_batch``)."""
+        self.publish_sessions = True
+
+    def peek(self, namespace: bytes, keys: Sequence[bytes]) -> np.ndarray:
+        """Rows of the longest stored prefix of ``keys``, with no side effect (recency untouched:
+        vLLM asks again each step until it admits the request)."""
+        return self.index.lookup(namespace, keys)
+
+    def in_dram(self, rows: np.ndarray) -> np.ndarray:
+        """Per row of ``rows`` (from ``peek``/``lookup``): True when its block has a DRAM copy."""
+        return (self.index.col["flags"][rows] & IN_DRAM) != 0
+
+    def first_unstored(self, namespace: bytes, keys: Sequence[bytes], first: int, end: int) -> int:
+        """The first position in ``keys[first:end]`` whose block the index does not hold (``end``
+        when it holds them all)."""
+        return next((i for i in range(first, end) if self.index.row_of(namespace, keys[i]) is None), end)
+
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> list[int]:
         """Rows of the longest stored prefix of ``keys`` (a hit refreshes their recency)."""
         rows = self.index.lookup(namespace, keys)
         if len(rows):
             self.index.touch(rows)
-            in_dram = (self.index.col["flags"][rows] & IN_DRAM) != 0
+            in_dram = self.in_dram(rows)
             self.policies[Tier.DRAM].on_access(rows[in_dram])
             self.policies[Tier.NVME].on_access(rows[~in_dram])
         return rows.tolist()
@@ -306,7 +345,7 @@ class TierManager(SessionOps, PressureOps, CatalogSync):
         return self._new_job(JobKind.STORE, moves=moves, session_id=session_id)
 
     def _complete_store(self, job: Job, result: JobResult) -> None:
-        failed = self._failed_positions(job, result)
+        failed = result.failed_positions(job)
         session = self.sessions.get(job.session_id) if job.session_id else None
         pinned = session.pinned if session is not None else None
         for i, move in enumerate(job.moves):
@@ -354,7 +393,7 @@ class TierManager(SessionOps, PressureOps, CatalogSync):
         ``result.failed`` lists the blocks that did not reach their destination; of those,
         ``result.bad_reads`` could not be read back from NVMe (the store removed them).
         """
-        not_delivered = self._failed_positions(job, result)
+        not_delivered = result.failed_positions(job)
         bad_reads = set(result.bad_reads)
         for i, move in enumerate(job.moves):
             row = move.row
@@ -382,12 +421,6 @@ class TierManager(SessionOps, PressureOps, CatalogSync):
         bad = self.counters["nvme_failed_reads"] + self.counters["nvme_removed_at_start"]
         self.warnings["nvme_reads"] = (f"{bad} NVMe blocks were missing or corrupt: dropped, and vLLM recomputed "
                                        "them (check the disk, and that nothing else writes to the NVMe dir)")
-
-    @staticmethod
-    def _failed_positions(job: Job, result: JobResult) -> set[int]:
-        if result.ok:
-            return set()
-        return set(result.failed) if result.failed else set(range(len(job.moves)))
 
     # ---- completion ---------------------------------------------------------------------------
     def complete(self, result: JobResult) -> None:

@@ -315,7 +315,7 @@ class SessionOps:
         return self._new_job(JobKind.FETCH, moves=moves, drops=drops, session_id=session_id)
 
     def _complete_restore(self: "TierManager", job: Job, result: JobResult) -> None:
-        failed = self._failed_positions(job, result)
+        failed = result.failed_positions(job)
         for i, move in enumerate(job.moves):
             row = move.row
             if i in failed:

@@ -173,7 +173,7 @@ class PressureOps:
 
     def _complete_demote(self: "TierManager", job: Job, result: JobResult) -> None:
         col = self.index.col
-        failed = self._failed_positions(job, result)
+        failed = result.failed_positions(job)
         keep = job.kind == JobKind.FLUSH
         for i, move in enumerate(job.moves):
             row = move.row

@@ -248,13 +248,12 @@ def test_demotion_drops_sessions_whose_restore_would_lose_to_recompute(fingerpri
 
     from kvtier.index import IN_NVME, Tier, chain_block_hashes, namespace_of
 
-    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=16, nvme_blocks=32)
     geometry = fingerprint.geometry
     # 1 ms to read a block from NVMe, and attention-bound prefill: two blocks restore slower than
     # they recompute, ten faster
     quadratic = PrefillModel(overhead_s=0.0, per_token_s=0.0, attention_s=1e-6)
-    engine.manager.cost = m = model(1000, geometry.block_bytes / 1e-3 / GB, prefill=quadratic,
-                                    block_bytes=geometry.block_bytes)
+    m = model(1000, geometry.block_bytes / 1e-3 / GB, prefill=quadratic, block_bytes=geometry.block_bytes)
+    engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=16, nvme_blocks=32, cost=m)
     be = m.break_even_tokens(True)
     assert be is not None and 2 * BT < be <= 10 * BT, be
     ns = namespace_of(fingerprint.digest)

@@ -247,3 +247,47 @@ def test_layers_point_one_way():
             if bad:
                 wrong[module] = bad
     assert wrong == {}
+
+
+# ---- the manager's interface: the connector and the admin plane call methods, never poke its state ------
+MANAGER_INSIDES = {"index", "policies", "queued"}  # the manager's own bookkeeping (plus any _private name)
+
+
+def _is_manager(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "manager") or \
+        (isinstance(node, ast.Name) and node.id == "manager")
+
+
+def manager_pokes(path: Path) -> list[str]:
+    """Lines of ``path`` that reach into a TierManager's insides: its index, policies or private
+    names, an assignment to one of its attributes, or a write into one of its dicts."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and _is_manager(node.value) and \
+                (node.attr in MANAGER_INSIDES or node.attr.startswith("_")):
+            found.append(f"{path.name}:{node.lineno} reads manager.{node.attr}")
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AugAssign) else []
+        for target in targets:
+            if isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Attribute) and _is_manager(target.value):
+                found.append(f"{path.name}:{node.lineno} writes manager.{target.attr}")
+    return sorted(found)
+
+
+def test_the_poke_finder_finds_pokes(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("self.manager.counters['x'] += 1\nmanager.cost = 3\nrows = self.manager.index.col\n"
+                     "self.manager.count('x')\n")
+    assert [line.split(" ", 1)[1] for line in manager_pokes(probe)] == \
+        ["writes manager.counters", "writes manager.cost", "reads manager.index"]
+
+
+def test_connector_and_admin_plane_use_the_managers_methods():
+    """The vLLM scheduler half, the admin plane and the engine go through TierManager's methods
+    (``count``, ``peek``, ``in_dram``, ``warn``...), so the manager's state changes in one place."""
+    roots = [CORE.parent / "plugins", CORE / "control"]
+    files = [p for root in roots for p in root.rglob("*.py")] + [CORE / "engine.py", CORE / "serve.py"]
+    pokes = [poke for path in files for poke in manager_pokes(path)]
+    assert pokes == []

@@ -425,7 +425,7 @@ def test_a_full_disk_warning_waits_for_room_the_budget_still_promises(fingerprin
     full = f"NVMe tier: no space left on the device holding {tmp_path}"
     manager.note_written_behind([], full)
     time.sleep(1.05)  # past the back-off
-    promised = manager.nvme_capacity - manager._nvme_used
+    promised = manager.nvme_capacity - manager.nvme_used
     manager.note_written_behind([], None, disk_ok=True, disk_free=promised // 2)
     assert manager.warnings["nvme"] == full  # a write fit into space a drop freed: still full
     manager.note_written_behind([], None, disk_ok=True, disk_free=promised)

@@ -290,7 +290,7 @@ def run_poisoning(attempts: int = 240, refused_restores: int = 1000, seed: int =
             manager = world.engine.manager
 
             def usage() -> tuple:
-                return manager.slots.free_slots, len(manager.index), manager._nvme_used, len(manager.sessions)
+                return manager.slots.free_slots, len(manager.index), manager.nvme_used, len(manager.sessions)
 
             before = usage()
             for i in range(refused_restores):

@@ -270,7 +270,7 @@ def _restore_file(ops: "Ops", path: Path, tier, salt, trust_unsigned: bool, hand
     info = open_snapshot(path, ops.manager.max_snapshot_header(), trusted_keys=load_keys())
     if not info.signed and not trust_unsigned:
         with ops.lock:
-            ops.manager.counters["restores_refused_unsigned"] += 1
+            ops.manager.count("restores_refused_unsigned")
         raise ApiError(400, f"snapshot {path} is not signed by a key this server trusts",
                        hint=f"snapshots of other boxes: add their key to {keys_file()}; or, if you trust this "
                             "file, restore it with --trust-unsigned")

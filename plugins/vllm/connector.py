@@ -70,7 +70,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = KVTierScheduler(vllm_config, fingerprint, config)
             untested = warn_untested_vllm()
             if untested:
-                self._scheduler.manager.warnings["vllm_version"] = untested
+                self._scheduler.manager.warn("vllm_version", untested)
         else:
             from kvtier.plugins.vllm.worker import KVTierWorker
 

@@ -32,16 +32,17 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.codecs import resolve_codec
 from kvtier.config import write_behind_seconds
 from kvtier.connector_config import ConnectorConfig
 from kvtier.decide import LoadCandidate, blocks_to_load, worth_keeping
-from kvtier.index import IN_DRAM, namespace_of, validate_session_id
+from kvtier.index import namespace_of, validate_session_id
 from kvtier.jobs import Job, JobKind, RankMerger
 from kvtier.layout import ModelFingerprint
 from kvtier.manager import TierManager
 from kvtier.plugins.vllm import turns
 from kvtier.plugins.vllm.geometry import VllmBlockKeys
-from kvtier.plugins.vllm.timing import EngineClock
+from kvtier.plugins.vllm.timing import EngineClock, build_cost_model
 from kvtier.tiers.nvme import scan_shards
 
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "session_of"]
@@ -111,6 +112,11 @@ class KVTierScheduler:
         if cold_dir:
             records, removed = scan_shards(nvme_dir, nvme_bytes, self.shards, config.direct_io)
         self.catalog, catalog_problem = self._open_catalog(cold_dir if config.catalog else None, fingerprint)
+        geometry = fingerprint.geometry
+        warm_codec = resolve_codec(config.warm_codec, geometry, "warm")
+        cold_codec = resolve_codec(config.cold_codec, geometry, "cold")
+        # measured links and the fitted prefill: admission, stores and demotion all ask it
+        self.cost = build_cost_model(config, geometry, warm_codec, cold_codec, cold_dir)
         self.manager = TierManager(
             fingerprint,
             dram_bytes=dram_bytes,
@@ -119,22 +125,20 @@ class KVTierScheduler:
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
             nvme_records=records,
-            warm_codec=config.warm_codec,
-            cold_codec=config.cold_codec,
+            warm_codec=warm_codec,
+            cold_codec=cold_codec,
             nvme_removed_at_start=removed,
             catalog=self.catalog,
+            cost=self.cost,
+            block_keys=VllmBlockKeys(vllm_config, self.block_tokens),  # restores recompute keys with vLLM's hash
         )
         if catalog_problem:
-            self.manager.warnings["catalog"] = catalog_problem
+            self.manager.warn("catalog", catalog_problem)
         self.write_behind_s = write_behind_seconds(config.write_behind) if cold_dir else None
         self._stopping = threading.Event()
         self.requests: dict[str, RequestState] = {}
-        # the engine's steps, timed: the cost model (links measured now and while serving, prefill fitted
-        # from the steps) and how long the engine has been idle
-        self.clock = EngineClock(config, self.manager, self.requests, cold_dir, self._stopping)
-        self.cost = self.clock.cost
-        self.manager.cost = self.cost  # demotion asks it too
-        self.manager.block_keys = VllmBlockKeys(vllm_config, self.block_tokens)  # restores recompute keys with it
+        # the engine's steps, timed: the prefill model's samples, and how long the engine has been idle
+        self.clock = EngineClock(config, self.cost, self.manager.count, self.requests, cold_dir, self._stopping)
         self._ranks = RankMerger(self.shards)  # a job is applied once every rank reported it
         self._stores_of: dict[str, set[int]] = {}  # request -> its STORE jobs not yet done on every rank
         self._finish_after_stores: list[str] = []  # finished, held by vLLM until their stores are done
@@ -313,16 +317,16 @@ class KVTierScheduler:
         state.lookup = (usable * bs, None, None, None)  # for the turn's record (kvtier.reasons)
         if start >= usable:
             return 0, False
-        rows = self.manager.index.lookup(state.namespace, request.block_hashes[:usable])  # no side effects
+        rows = self.manager.peek(state.namespace, request.block_hashes[:usable])
         if self.shared is not None and len(rows) < usable:
             if self.shared.pending(state, request, len(rows), usable):
                 return None, False
-            rows = self.manager.index.lookup(state.namespace, request.block_hashes[:usable])  # fetched ones too
+            rows = self.manager.peek(state.namespace, request.block_hashes[:usable])  # fetched ones too
         hit = len(rows) - start
         state.lookup = (usable * bs, len(rows) * bs, None, None)
         if hit <= 0:
             return 0, False
-        flags = (self.manager.index.col["flags"][rows[start:]] & IN_DRAM) != 0
+        flags = self.manager.in_dram(rows[start:])
         candidate = LoadCandidate(start, hit, int(flags.sum()), bs, in_dram=tuple(flags.tolist()),
                                   prompt_tokens=request.num_tokens)
         n = blocks_to_load(candidate, self.cost)
@@ -335,10 +339,10 @@ class KVTierScheduler:
         first = not state.counted
         if first:  # hit rates: prompt tokens admitted, and how many vLLM's HBM cache held
             state.counted = True
-            self.manager.counters["prompt_tokens"] += int(getattr(request, "num_prompt_tokens", request.num_tokens))
-            self.manager.counters["hbm_hit_tokens"] += state.local_tokens
+            self.manager.count("prompt_tokens", int(getattr(request, "num_prompt_tokens", request.num_tokens)))
+            self.manager.count("hbm_hit_tokens", state.local_tokens)
             if state.decision is not None:
-                self.manager.counters[f"decision_{state.decision}"] += 1
+                self.manager.count(f"decision_{state.decision}")
         if num_external_tokens <= 0:
             if first:
                 turns.admitted(self, state, request, None, 0, 0)
@@ -357,7 +361,7 @@ class KVTierScheduler:
         if loaded < count:  # blocks gone since the lookup: reported as load errors, vLLM recomputes them
             self._missing.extend(block_ids[start + loaded : start + count])
         state.loaded_tokens = num_external_tokens
-        self.manager.counters["loaded_tokens"] += num_external_tokens
+        self.manager.count("loaded_tokens", num_external_tokens)
         if first:
             turns.admitted(self, state, request, job, count * self.block_tokens,
                            (count - loaded) * self.block_tokens)
@@ -369,7 +373,7 @@ class KVTierScheduler:
         fences: stores of preempted requests to finish first, finished requests held for theirs."""
         self._track_block_tables(scheduler_output)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
-        self.manager.counters["preempted_requests"] += len(preempted)
+        self.manager.count("preempted_requests", len(preempted))
         flush = [job_id for req_id in preempted for job_id in self._stores_of.get(req_id, ())]
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
@@ -415,7 +419,7 @@ class KVTierScheduler:
                                                          on_nvme=False):
             # shorter than the DRAM break-even: loading it back would be slower than recomputing it.
             # Stores resume (from the first block) if the request grows past it while it holds them.
-            self.manager.counters["store_skipped_blocks"] += full - max(state.skipped_blocks, state.stored_blocks)
+            self.manager.count("store_skipped_blocks", full - max(state.skipped_blocks, state.stored_blocks))
             state.skipped_blocks = max(state.skipped_blocks, full)
             turns.store_skipped(state)
             return
@@ -429,9 +433,7 @@ class KVTierScheduler:
             self._jobs.append(job)
         # Blocks DRAM had no room for are offered again next step (demotion makes room meanwhile),
         # as long as the request holds them in HBM.
-        index = self.manager.index
-        state.stored_blocks = next((i for i in range(first, full) if index.row_of(state.namespace, keys[i]) is None),
-                                   full)
+        state.stored_blocks = self.manager.first_unstored(state.namespace, keys, first, full)
 
     def enqueue(self, job: Job | None) -> None:
         """Ship an operator's job (evict, pin, snapshot...) with the next step's metadata."""

@@ -47,7 +47,7 @@ class SharedLookups:
         self.config = config
         self.box = box
         self.store = SharedStore(config, rank=0)
-        self.manager.publish_sessions = True
+        self.manager.share_sessions()
         self.reports: dict[int, dict] = {}  # rank -> its worker's last shared-tier report
         self.server: dict | None = None  # the store's memory and eviction figures (INFO), refreshed by tick
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-shared")
@@ -69,12 +69,12 @@ class SharedLookups:
     def pending(self, state: "RequestState", request: Any, have: int, usable: int) -> bool:
         """True while the request should wait (answer None): its lookup or fetch is under way.
         ``have``: blocks this box holds from the prompt's start; ``usable``: full blocks to ask about."""
-        counters = self.manager.counters
+        count = self.manager.count
         phase = state.shared
         now = time.monotonic()
         if phase is None:
             if not self.store.available:
-                counters["shared_lookups_skipped"] += 1
+                count("shared_lookups_skipped")
                 state.shared = ("done",)
                 return False
             keys = list(request.block_hashes[have:usable])
@@ -86,25 +86,25 @@ class SharedLookups:
             if not future.done():
                 if now - asked < LOOKUP_WAIT_S:
                     return True
-                counters["shared_lookup_timeouts"] += 1
+                count("shared_lookup_timeouts")
                 state.shared = ("done",)
                 return False
             state.shared = ("done",)
             try:
                 sizes = future.result()
             except SharedUnavailable:
-                counters["shared_lookup_failures"] += 1
+                count("shared_lookup_failures")
                 return False
             found = self.store.stored_prefix(sizes)
-            counters["shared_lookups"] += 1
+            count("shared_lookups")
             if not found:
-                counters["shared_lookup_misses"] += 1
+                count("shared_lookup_misses")
                 return False
             cost = self.scheduler.cost
             fetch, fetch_s, recompute_s = cost.fetch_beats_recompute(start * cost.block_tokens, found,
                                                                      sum(sizes[:found]))
             if not fetch:
-                counters["shared_recomputed_blocks"] += found  # the link is too slow for it to pay
+                count("shared_recomputed_blocks", found)  # the link is too slow for it to pay
                 return False
             job = self.manager.prepare_fetch(state.namespace, keys[:found], sizes[:found], start=start,
                                              session_id=state.session_id)
@@ -112,8 +112,8 @@ class SharedLookups:
                 return False
             job.req_id = request.request_id
             self.scheduler.enqueue(job)
-            counters["shared_fetches"] += 1
-            counters["shared_fetch_blocks"] += len(job.moves)
+            count("shared_fetches")
+            count("shared_fetch_blocks", len(job.moves))
             state.shared = ("fetching", now, job.job_id, max(FETCH_WAIT_S, 4 * fetch_s))
             return True
         if phase[0] == "fetching":
@@ -121,7 +121,7 @@ class SharedLookups:
             if job_id in self.manager.jobs:  # not completed yet
                 if now - started < patience:
                     return True
-                counters["shared_fetch_timeouts"] += 1  # it completes later; this request recomputes
+                count("shared_fetch_timeouts")  # it completes later; this request recomputes
             state.shared = ("done",)
         return False
 
@@ -174,15 +174,15 @@ class SharedLookups:
                                 else report.get("problem") or "down")
         rejected = self.counters().get("rejected_unsigned", 0)
         with self.scheduler.lock:
-            warnings = self.manager.warnings
             if problems:
-                warnings["shared"] = (f"shared store {self.store.url} is {'; '.join(problems)}: serving "
-                                      "without it (requests recompute what it holds)")
+                warning = (f"shared store {self.store.url} is {'; '.join(problems)}: serving "
+                           "without it (requests recompute what it holds)")
             elif rejected:
-                warnings["shared"] = (f"{rejected} shared-tier values were not signed by a key this box trusts: "
-                                      "boxes that share a store must share the snapshot keys file")
+                warning = (f"{rejected} shared-tier values were not signed by a key this box trusts: "
+                           "boxes that share a store must share the snapshot keys file")
             else:
-                warnings.pop("shared", None)
+                warning = None
+            self.manager.warn("shared", warning)
 
     # ---- views ---------------------------------------------------------------------------------------
     def counters(self) -> dict:

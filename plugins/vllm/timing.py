@@ -7,15 +7,14 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvtier.costmodel import DEFAULT_RATES, CostModel, measure_rates, parse_link_caps
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.connector_config import ConnectorConfig
-    from kvtier.manager import TierManager
 
-__all__ = ["EngineClock", "wait_until_quiet"]
+__all__ = ["EngineClock", "build_cost_model", "wait_until_quiet"]
 
 log = logging.getLogger("kvtier.connector")
 
@@ -35,39 +34,42 @@ def wait_until_quiet(idle_for: Any, stopping: threading.Event, quiet_s: float, p
             return None
 
 
+def build_cost_model(config: "ConnectorConfig", geometry: Any, warm_codec: str, cold_codec: str,
+                     nvme_dir: str | None) -> CostModel:
+    """Measured link rates (at start; ``link_gbps`` caps them) and a prefill model that the
+    engine's own step timings fit as it serves. ``warm_codec``/``cold_codec``: resolved specs."""
+    from kvtier.codecs import get_codec
+
+    caps = parse_link_caps(config.link_gbps)
+    if not config.measure_links:
+        rates = DEFAULT_RATES.capped(caps)
+    else:
+        try:
+            rates = measure_rates(nvme_dir, caps, quick=True)
+        except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the engine
+            log.warning("kvtier: link measurement failed (%s); using defaults", exc)
+            rates = DEFAULT_RATES.capped(caps)
+    model = CostModel(rates, geometry.block_tokens, get_codec(warm_codec).max_bytes(geometry),
+                      get_codec(cold_codec).max_bytes(geometry),
+                      lossy=warm_codec != "none" or cold_codec != "none")
+    log.info("kvtier: host->device %.2f GB/s, NVMe reads %.2f GB/s (%s)", rates.host_to_device_bps / 1e9,
+             rates.nvme_read_bps / 1e9, rates.source)
+    return model
+
+
 class EngineClock:
-    def __init__(self, config: "ConnectorConfig", manager: "TierManager", requests: dict, nvme_dir: str | None,
-                 stopping: threading.Event):
-        self.config, self.manager, self.requests = config, manager, requests
+    """The engine's steps, timed: they teach ``cost`` its prefill model, and tell the link
+    re-measurement when the engine is quiet. ``count``: the manager's counter (``TierManager.count``)."""
+
+    def __init__(self, config: "ConnectorConfig", cost: CostModel, count: Callable[[str], None], requests: dict,
+                 nvme_dir: str | None, stopping: threading.Event):
+        self.config, self.cost, self.count, self.requests = config, cost, count, requests
         self._stopping = stopping
         self._last_step = 0.0  # monotonic time of the last step start or end: the rate refresher waits for quiet
         self._steps: deque = deque()  # (start time, prefill shape or None) of steps in flight
-        self.cost = self._cost_model(nvme_dir)
         if config.rates_refresh_s > 0 and config.measure_links:
             threading.Thread(target=self._refresh_rates, args=(nvme_dir, config.rates_refresh_s),
                              name="kvtier-rates", daemon=True).start()
-
-    def _cost_model(self, nvme_dir: str | None) -> CostModel:
-        """Measured link rates (at start; ``link_gbps`` caps them) and a prefill model that the
-        engine's own step timings fit as it serves."""
-        from kvtier.codecs import get_codec
-
-        caps = parse_link_caps(self.config.link_gbps)
-        if not self.config.measure_links:
-            rates = DEFAULT_RATES.capped(caps)
-        else:
-            try:
-                rates = measure_rates(nvme_dir, caps, quick=True)
-            except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the engine
-                log.warning("kvtier: link measurement failed (%s); using defaults", exc)
-                rates = DEFAULT_RATES.capped(caps)
-        geometry = self.manager.geometry
-        model = CostModel(rates, geometry.block_tokens, get_codec(self.manager.warm_codec).max_bytes(geometry),
-                          get_codec(self.manager.cold_codec).max_bytes(geometry),
-                          lossy=self.manager.warm_codec != "none" or self.manager.cold_codec != "none")
-        log.info("kvtier: host->device %.2f GB/s, NVMe reads %.2f GB/s (%s)", rates.host_to_device_bps / 1e9,
-                 rates.nvme_read_bps / 1e9, rates.source)
-        return model
 
     def _refresh_rates(self, nvme_dir: str | None, every_s: float) -> None:
         """Re-measure the links every ``every_s`` seconds while serving (a link can degrade: PCIe
@@ -81,14 +83,14 @@ class EngineClock:
             if quiet is None:
                 return  # shutting down
             if not quiet:
-                self.manager.counters["rate_refreshes_busy"] += 1
+                self.count("rate_refreshes_busy")
             try:
                 rates = measure_rates(nvme_dir, caps, quick=True)
             except Exception as exc:  # noqa: BLE001 - keep the last good figures
                 log.warning("kvtier: link re-measurement failed (%s); keeping the last figures", exc)
                 continue
             self.cost.refresh_rates(rates)
-            self.manager.counters["rate_refreshes"] += 1
+            self.count("rate_refreshes")
 
     def idle_for(self) -> float:
         """Seconds since the engine last started or finished a step; 0 while a step is running."""

@@ -166,6 +166,6 @@ def finished(sched: "KVTierScheduler", state: "RequestState") -> None:
     if record is None or record.finished:
         return
     record.finished = True
-    counters = sched.manager.counters
-    counters[f"turns_{record.reason}"] += 1
-    counters[f"recomputed_tokens_{record.reason}"] += record.recomputed_tokens
+    count = sched.manager.count
+    count(f"turns_{record.reason}")
+    count(f"recomputed_tokens_{record.reason}", record.recomputed_tokens)
