@@ -28,7 +28,8 @@ from typing import Any
 from kvtier.config import default_cache_dir
 from kvtier.errors import KvtierError, UsageError
 
-__all__ = ["DEMO_SIZES", "DEMO_VERSION", "demo_model_dir", "ensure_demo_model", "is_demo_model"]
+__all__ = ["DEMO_SIZES", "DEMO_VERSION", "build_once", "demo_model_dir", "ensure_demo_model", "import_hf",
+           "is_demo_model", "seal"]
 
 DEMO_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 512},  # 3.4M params
@@ -70,7 +71,14 @@ def ensure_demo_model(
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Return the path of the ``size`` demo model, building it first if no complete copy exists."""
-    final = demo_model_dir(size, cache_dir)
+    return build_once(demo_model_dir(size, cache_dir), lambda out, say: _build(out, size, say), progress)
+
+
+def build_once(final: Path, build: Callable[[Path, Callable[[str], None]], None],
+               progress: Callable[[str], None] | None = None) -> Path:
+    """``final`` if it holds a complete build, else ``build(tmp_dir, say)`` into a temp dir beside it
+    (which must end by writing ``.complete``) renamed into place, under an exclusive lock: a crashed
+    or concurrent build never leaves a directory that looks complete."""
     if (final / MARKER).is_file():
         return final
     say = progress or (lambda _msg: None)
@@ -79,7 +87,7 @@ def ensure_demo_model(
         base.mkdir(parents=True, exist_ok=True)
         lock = open(base / f".{final.name}.lock", "w")  # noqa: SIM115 - held for the whole build
     except OSError as exc:
-        raise KvtierError(f"cannot create the demo model directory {base}: {exc}",
+        raise KvtierError(f"cannot create the model directory {base}: {exc}",
                           hint="pass a writable cache_dir or set XDG_CACHE_HOME") from None
     with lock:
         try:
@@ -95,7 +103,9 @@ def ensure_demo_model(
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=base))
         try:
-            _build(tmp, size, say)
+            build(tmp, say)
+            if not (tmp / MARKER).is_file():
+                raise KvtierError(f"building {final.name} did not complete", hint="report this as a bug")
             umask = os.umask(0)
             os.umask(umask)
             tmp.chmod(0o777 & ~umask)  # mkdtemp made it 0700; the model is not secret
@@ -104,11 +114,11 @@ def ensure_demo_model(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    say(f"demo model ready at {final}")
+    say(f"model ready at {final}")
     return final
 
 
-def _import_hf() -> tuple[Any, Any, Any]:
+def import_hf() -> tuple[Any, Any, Any]:
     """Import torch, tokenizers and transformers; turn known install problems into KvtierErrors."""
     try:
         import tokenizers
@@ -149,7 +159,7 @@ def _root(exc: BaseException) -> str:
 
 def _build(out: Path, size: str, say: Callable[[str], None]) -> None:
     """Write tokenizer, config, weights, ``kvtier-demo.json`` and finally ``.complete`` into ``out``."""
-    torch, tk, transformers = _import_hf()
+    torch, tk, transformers = import_hf()
     geo = DEMO_SIZES[size]
     stdlib = sysconfig.get_paths()["stdlib"]
     files = sorted(glob.glob(os.path.join(stdlib, "*.py")))[:TOKENIZER_FILES]
@@ -185,10 +195,15 @@ def _build(out: Path, size: str, say: Callable[[str], None]) -> None:
     info = {"kvtier_demo": True, "size": size, "params": params, "version": DEMO_VERSION,
             "note": "random weights: output is gibberish; for trying kvtier's KV caching only"}
     (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    seal(out)
+
+
+def seal(out: Path) -> None:
+    """fsync every file of a finished build, then write its ``.complete`` marker (last: the build is whole)."""
     for path in out.rglob("*"):
         if path.is_file():
             _fsync_file(path)
-    (out / MARKER).write_text(f"built by {sys.executable}\n")  # written last: the build is whole
+    (out / MARKER).write_text(f"built by {sys.executable}\n")
     _fsync_file(out / MARKER)
     _fsync_dir(out)
 
