@@ -51,6 +51,7 @@ class ConnectorConfig:
     link_gbps: str = _default("link_gbps")  # caps, e.g. "pcie=3.9,nvme=1.5" (the worker paces loads to them)
     measure_links: bool = True  # measure link rates at start (off: defaults, for tests)
     rates_refresh_s: float = 300.0  # re-measure while serving (0: never)
+    always_load: bool = False  # store and load every hit whatever the cost model says (quality benchmarks)
     synchronous: bool = False  # transfers on the step path (debugging, tests)
     # identity and admin plane (kvtier serve sets them)
     model_id: str | None = None  # the name blocks and snapshots are filed under

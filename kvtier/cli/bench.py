@@ -164,6 +164,21 @@ def bench_top(
 QUALITY_KEYS = ("size_ratio", "top1_agreement", "kl", "needle_acc_128k", "rel_mse_k", "rel_mse_v")
 
 
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """"1024,4k,16k" -> (1024, 4096, 16384); empty -> ()."""
+    from kvtier.errors import UsageError
+    out = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        try:
+            n = int(part[:-1]) * 1024 if part.endswith("k") else int(part)
+        except ValueError:
+            raise UsageError(f"bad context length {part!r}", hint="lengths in tokens, e.g. 1024,4k,16k") from None
+        if not 64 <= n <= 131072:
+            raise UsageError(f"context length {n} is out of range", hint="between 64 and 131072 tokens")
+        out.append(n)
+    return tuple(sorted(set(out)))
+
+
 @bench_app.command("quality")
 @handle_errors
 def bench_quality(
@@ -173,6 +188,13 @@ def bench_quality(
     trials: int = typer.Option(0, "--trials", min=0, max=100_000, help="Needle trials per size (default 200)."),
     long_trials: int = typer.Option(0, "--long-trials", min=0, max=100_000,
                                     help="Needle trials at the largest size (default: --trials)."),
+    model_needle: bool = typer.Option(True, "--model-needle/--no-model-needle",
+                                      help="Needles through vLLM on the trained retrieval model, per codec."),
+    needle_lengths: str = typer.Option("", "--needle-lengths",
+                                       help="Context lengths of the model needle, comma-separated (default: "
+                                            "1024,2048,4096,8192; --quick: 1024,4096)."),
+    haystacks: int = typer.Option(0, "--haystacks", min=0, max=1000,
+                                  help="Haystacks per length (5 needles each; default 8, --quick 2)."),
 ) -> None:
     """Codec quality: reconstruction error, needle retrieval up to 128k keys, top-1 and KL via vLLM."""
     import contextlib
@@ -189,6 +211,15 @@ def bench_quality(
             out = run_vllm_quality(QUALITY_CODECS, quick=quick, progress=progress)
         captured, per_codec = out["captured"], out["per_codec"]
         context = {k: v for k, v in out.items() if k.startswith("_")}
+    needle = None
+    if vllm and model_needle:
+        from kvtier.bench.vllm.needle import run_in_child
+        from kvtier.recall import save_figures
+        lengths = parse_lengths(needle_lengths) or ((1024, 4096) if quick else (1024, 2048, 4096, 8192))
+        needle = run_in_child(lengths, haystacks or (2 if quick else 8), progress=progress)
+        save_figures(needle)  # kvtier status / doctor warn from the latest figures (kvtier.recall)
+        context["model_needle"] = {k.lstrip("_"): needle[k] for k in ("_lengths", "_trials_per_length",
+                                                                     "_haystacks_per_length", "_wall_s", "_seed")}
     results = run_quality_harness(quick=quick, captured=captured, progress=progress, trials=trials or None,
                                   long_trials=long_trials or None)
     for spec, entry in results.items():
@@ -196,14 +227,18 @@ def bench_quality(
         if spec == "none":
             entry.update(top1_agreement=1.0, kl=0.0)
         entry["_kv_source"] = "demo model via vLLM" if captured is not None else "synthetic"
+    for spec, entry in ((needle or {}).get("per_codec") or {}).items():
+        results.setdefault(spec, {}).update(entry)
     ordered = {spec: {**{k: entry.get(k) for k in QUALITY_KEYS}, **{k: v for k, v in entry.items()
                                                                       if k not in QUALITY_KEYS}}
                for spec, entry in results.items()}
     if json_out:
-        emit_json(ordered)
+        emit_json({**ordered, **{f"_{k.lstrip('_')}": v for k, v in context.items()}})
         return
     columns = ["codec", *QUALITY_KEYS, "attn_err"] + [k for k in next(iter(ordered.values()))
-                                                     if k.startswith("needle_acc") and k != "needle_acc_128k"]
+                                                     if k.startswith("needle_acc") and k != "needle_acc_128k"] + \
+        sorted({k for entry in ordered.values() for k in entry if k.startswith("model_needle_acc")},
+               key=lambda k: int(k.rsplit("_", 1)[1].rstrip("k")))
 
     def fmt(value):
         return "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))

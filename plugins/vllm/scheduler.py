@@ -43,6 +43,7 @@ from kvtier.manager import TierManager
 from kvtier.plugins.vllm import turns
 from kvtier.plugins.vllm.geometry import VllmBlockKeys
 from kvtier.plugins.vllm.timing import EngineClock, build_cost_model
+from kvtier.recall import recall_warning
 from kvtier.tiers.nvme import scan_shards
 
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "session_of"]
@@ -117,6 +118,8 @@ class KVTierScheduler:
         cold_codec = resolve_codec(config.cold_codec, geometry, "cold")
         # measured links and the fitted prefill: admission, stores and demotion all ask it
         self.cost = build_cost_model(config, geometry, warm_codec, cold_codec, cold_dir)
+        # what stores, loads and demotions ask: none with always_load (every hit is kept and loaded)
+        self.decide_cost = None if config.always_load else self.cost
         self.manager = TierManager(
             fingerprint,
             dram_bytes=dram_bytes,
@@ -129,11 +132,14 @@ class KVTierScheduler:
             cold_codec=cold_codec,
             nvme_removed_at_start=removed,
             catalog=self.catalog,
-            cost=self.cost,
+            cost=self.decide_cost,
             block_keys=VllmBlockKeys(vllm_config, self.block_tokens),  # restores recompute keys with vLLM's hash
         )
         if catalog_problem:
             self.manager.warn("catalog", catalog_problem)
+        max_context = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+        for tier, spec in (("warm", warm_codec), ("cold", cold_codec)):  # lossy codecs and long contexts
+            self.manager.warn(f"{tier}_codec_recall", recall_warning(spec, max_context, tier))
         self.write_behind_s = write_behind_seconds(config.write_behind) if cold_dir else None
         self._stopping = threading.Event()
         self.requests: dict[str, RequestState] = {}
@@ -329,7 +335,7 @@ class KVTierScheduler:
         flags = self.manager.in_dram(rows[start:])
         candidate = LoadCandidate(start, hit, int(flags.sum()), bs, in_dram=tuple(flags.tolist()),
                                   prompt_tokens=request.num_tokens)
-        n = blocks_to_load(candidate, self.cost)
+        n = blocks_to_load(candidate, self.decide_cost)
         state.decision = "recompute" if n == 0 else "load" if n == hit else "split"
         state.lookup = (usable * bs, len(rows) * bs, candidate, state.decision)
         return n * bs, n > 0
@@ -415,7 +421,7 @@ class KVTierScheduler:
         session = self.manager.record_session(state.session_id, state.namespace, keys, computed_after_step,
                                               token_ids=request.all_token_ids)
         session.hot = True
-        if session.pinned is None and not worth_keeping(max(request.num_tokens, computed_after_step), self.cost,
+        if session.pinned is None and not worth_keeping(max(request.num_tokens, computed_after_step), self.decide_cost,
                                                          on_nvme=False):
             # shorter than the DRAM break-even: loading it back would be slower than recomputing it.
             # Stores resume (from the first block) if the request grows past it while it holds them.

@@ -96,7 +96,7 @@ def _why_not_more(sched: "KVTierScheduler", state: "RequestState", request: Any,
             facts.diverged_at = _divergence(manager, session, request, match, bt)
         last = manager.turns.last(state.session_id)
         facts.stores_skipped = last.store_skipped if last is not None else \
-            not worth_keeping(facts.session_tokens, sched.cost, on_nvme=False)
+            not worth_keeping(facts.session_tokens, sched.decide_cost, on_nvme=False)
     elif manager.catalog is not None:
         other = manager.catalog.find_elsewhere(state.session_id)
         if other is not None:
