@@ -67,7 +67,8 @@ def kv_bytes_per_token(model_path: str | None) -> dict[str, Any]:
     size = 4 if "32" in dtype else 2
     return {"model": str(path), "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype,
             "bytes_per_token": 2 * layers * kv_heads * head_dim * size,
-            "bytes_per_token_fp8": 2 * layers * kv_heads * head_dim}
+            "bytes_per_token_fp8": 2 * layers * kv_heads * head_dim,
+            "max_context": config.get("max_position_embeddings")}
 
 
 def _link_warnings(gpu: dict[str, Any], reload_dram_s: float, name_it: bool) -> list[str]:
@@ -104,9 +105,11 @@ def shared_report(url: str, auth_file: str | None = None, quick: bool = False) -
 
 def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, float], server: dict | None,
                quick: bool = False, gpus: list[str] | None = None, shared: str | None = None,
-               shared_auth_file: str | None = None) -> dict[str, Any]:
+               shared_auth_file: str | None = None, codecs: dict[str, str] | None = None) -> dict[str, Any]:
     """``gpus``: the GPUs to report, as ``CUDA_VISIBLE_DEVICES`` names them (default: that variable,
-    else every GPU); the host-to-device rate is measured on the first of them."""
+    else every GPU); the host-to-device rate is measured on the first of them. ``codecs``: the
+    configured codec per tier ({"warm": spec, "cold": spec}), checked against the needle figures
+    when no server answers (a server's own warnings say it for its codecs and context length)."""
     from kvtier.costmodel import GB, measure_rates
 
     if gpus is None and os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
@@ -170,5 +173,18 @@ def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, flo
     if policy == "noeviction" and (shared_info.get("server") or {}).get("maxmemory"):
         warnings.append("the shared store has a memory cap and maxmemory-policy noeviction: once full it refuses "
                         "new blocks instead of evicting old ones; allkeys-lru suits a cache")
+    warnings += recall_warnings(server, codecs, kv.get("max_context"))
     report["warnings"] = warnings
     return report
+
+
+def recall_warnings(server: dict | None, codecs: dict[str, str] | None, max_context: int | None) -> list[str]:
+    """Lossy codecs whose needle figures show recall falling within the contexts served: a running
+    server's own (its codecs, its vLLM's max_model_len), else the configured codecs against the
+    model's longest context (``kvtier.recall``)."""
+    from kvtier.recall import recall_warning
+
+    if server is not None:
+        found = ((server.get("status") or {}).get("warnings")) or {}
+        return [text for name, text in sorted(found.items()) if name.endswith("_codec_recall")]
+    return [text for tier, spec in (codecs or {}).items() if (text := recall_warning(spec, max_context, tier))]

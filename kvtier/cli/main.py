@@ -397,7 +397,8 @@ def doctor(
             gpus = chosen.gpus  # that instance's GPUs: its links, and the rate measured on its first
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     report = run_doctor(nvme_dir or settings.nvme_dir, model, caps, server, quick=quick, gpus=gpus,
-                        shared=shared or settings.shared or None, shared_auth_file=settings.shared_auth_file or None)
+                        shared=shared or settings.shared or None, shared_auth_file=settings.shared_auth_file or None,
+                        codecs={"warm": settings.warm_codec, "cold": settings.cold_codec})
     if json_out:
         emit_json(report)
         return
