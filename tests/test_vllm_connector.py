@@ -344,13 +344,22 @@ def test_fp8_kv_cache_blocks_are_stored_as_they_are(tiny_model, tmp_path):
     close(llm)
 
 
-def test_lossy_cold_codec_through_vllm(tiny_model, tmp_path):
+def test_lossy_cold_codec_through_vllm(tiny_model, tmp_path, monkeypatch):
     """int4-lc on the cold tier: the turn loads from NVMe through the decoder and still completes;
-    the greedy tokens match the uncompressed run (the tiny model is robust to this error)."""
+    the greedy tokens match the uncompressed run (the tiny model is robust to this error). With
+    needle figures on this box that show int4-lc falling at 2k tokens, the connector warns (this
+    engine accepts 4k-token contexts)."""
+    from kvtier.recall import save_figures
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    save_figures({"per_codec": {"none": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 1.0},
+                                "int4-lc": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 0.8}}})
     history = prompt_of(33, 1100)
     follow_up = history + prompt_of(34, 60)
     plain = baseline(tiny_model, [history, follow_up])[1]
     llm = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme", extra_config={"cold_codec": "int4-lc"})
+    warnings = scheduler_connector(llm).manager.warnings
+    assert "2,048 tokens" in warnings["cold_codec_recall"] and "warm_codec_recall" not in warnings
     run(llm, history)
     evict_first_session_to_nvme(llm)
     llm.reset_prefix_cache()
