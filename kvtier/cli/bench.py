@@ -202,6 +202,7 @@ def bench_quality(
 
     from kvtier.bench.quality import QUALITY_CODECS, run_quality_harness
 
+    lengths = parse_lengths(needle_lengths) or ((1024, 4096) if quick else (1024, 2048, 4096, 8192))  # refused first
     progress = bench_progress(json_out)
     captured, per_codec, context = None, {}, {}
     if vllm:
@@ -215,7 +216,6 @@ def bench_quality(
     if vllm and model_needle:
         from kvtier.bench.vllm.needle import run_in_child
         from kvtier.recall import save_figures
-        lengths = parse_lengths(needle_lengths) or ((1024, 4096) if quick else (1024, 2048, 4096, 8192))
         needle = run_in_child(lengths, haystacks or (2 if quick else 8), progress=progress)
         save_figures(needle)  # kvtier status / doctor warn from the latest figures (kvtier.recall)
         context["model_needle"] = {k.lstrip("_"): needle[k] for k in ("_lengths", "_trials_per_length",
