@@ -63,9 +63,17 @@ def save_figures(result: dict[str, Any], path: str | os.PathLike[str] | None = N
     return target
 
 
-def _curve(entry: dict[str, Any]) -> dict[int, float]:
-    return {_tokens(k[len(KEY_PREFIX):]): float(v) for k, v in entry.items()
-            if k.startswith(KEY_PREFIX) and isinstance(v, (int, float))}
+def _curve(entry: Any) -> dict[int, float]:
+    """{length: accuracy} of one codec's entry; what does not parse is skipped (a hand-edited or
+    damaged figures file must never stop an engine from starting)."""
+    out: dict[int, float] = {}
+    for key, value in (entry.items() if isinstance(entry, dict) else ()):
+        if str(key).startswith(KEY_PREFIX) and isinstance(value, (int, float)):
+            try:
+                out[_tokens(str(key)[len(KEY_PREFIX):])] = float(value)
+            except ValueError:
+                continue
+    return out
 
 
 def falls_at(spec: str, figures: dict[str, Any]) -> int | None:

@@ -66,3 +66,10 @@ def test_figures_file_round_trips(cache):
     path = save_figures({**FIGURES, "_lengths": [1024, 4096, 16384]})
     assert json.loads(path.read_text())["_lengths"] == [1024, 4096, 16384]
     assert load_figures()["source"] == str(path)
+
+
+def test_odd_entries_in_a_figures_file_are_skipped_not_fatal(cache):
+    save_figures({"per_codec": {"none": {"model_needle_acc_1k": 1.0, "model_needle_acc_huge": 1.0},
+                                "int4": {"model_needle_acc_1k": "bad", "model_needle_acc_x": 0.1},
+                                "fp8": ["not", "a", "dict"]}})
+    assert recall_warning("int4", 131072) is None and recall_warning("fp8", 131072) is None
