@@ -182,9 +182,10 @@ def recall_warnings(server: dict | None, codecs: dict[str, str] | None, max_cont
     """Lossy codecs whose needle figures show recall falling within the contexts served: a running
     server's own (its codecs, its vLLM's max_model_len), else the configured codecs against the
     model's longest context (``kvtier.recall``)."""
-    from kvtier.recall import recall_warning
+    from kvtier.recall import load_figures, recall_warning
 
     if server is not None:
         found = ((server.get("status") or {}).get("warnings")) or {}
         return [text for name, text in sorted(found.items()) if name.endswith("_codec_recall")]
-    return [text for tier, spec in (codecs or {}).items() if (text := recall_warning(spec, max_context, tier))]
+    figures = load_figures()
+    return [text for tier, spec in (codecs or {}).items() if (text := recall_warning(spec, max_context, tier, figures))]

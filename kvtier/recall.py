@@ -23,7 +23,8 @@ from typing import Any
 from kvtier.codecs import is_lossless, parse_spec
 from kvtier.config import default_cache_dir
 
-__all__ = ["TOLERANCE", "falls_at", "figures_path", "load_figures", "recall_warning", "save_figures"]
+__all__ = ["TOLERANCE", "falls_at", "figures_path", "label_tokens", "length_label", "load_figures", "recall_warning",
+           "save_figures"]
 
 TOLERANCE = 0.01  # one point of accuracy
 HANDLED = 0.95  # lengths where the uncompressed baseline is below this are past the model's own reach
@@ -35,7 +36,14 @@ def figures_path() -> Path:
     return Path(default_cache_dir()) / "quality" / "model-needle.json"
 
 
-def _tokens(label: str) -> int:
+def length_label(tokens: int) -> str:
+    """4096 -> "4k", 384 -> "384": how benchmark keys name a context length."""
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def label_tokens(label: str) -> int:
+    """"4k" -> 4096, "384" -> 384 (the length labels of the needle keys); ValueError otherwise."""
+    label = label.strip().lower()
     return int(label[:-1]) * 1024 if label.endswith("k") else int(label)
 
 
@@ -70,7 +78,7 @@ def _curve(entry: Any) -> dict[int, float]:
     for key, value in (entry.items() if isinstance(entry, dict) else ()):
         if str(key).startswith(KEY_PREFIX) and isinstance(value, (int, float)):
             try:
-                out[_tokens(str(key)[len(KEY_PREFIX):])] = float(value)
+                out[label_tokens(str(key)[len(KEY_PREFIX):])] = float(value)
             except ValueError:
                 continue
     return out

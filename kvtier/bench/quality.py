@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from kvtier.recall import length_label
+
 __all__ = ["NEEDLE_MARGIN", "NEEDLE_SIZES", "QUALITY_CODECS", "needle_accuracy", "reconstruction",
            "quantizer_for", "run_quality_harness"]
 
@@ -29,10 +31,6 @@ NEEDLE_SIZES = (1024, 4096, 16384, 65536, 131072)
 NEEDLE_MARGIN = 0.25  # needle score - best distractor score, in standard deviations of the scores
 HEAD_DIM = 128
 BLOCK = 128
-
-
-def _label(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 # ---- quantizers: a codec's round trip, or a reference ---------------------------------------
@@ -190,11 +188,11 @@ def run_quality_harness(quick: bool = False, captured=None, progress: Callable[[
         quantize = quantizer_for(spec)
         for n in sizes:
             progress(f"{spec}: needle among {n:,} keys, {trials_for(n)} trials")
-            entry[f"needle_acc_{_label(n)}"] = needle_accuracy(quantize, n, trials_for(n))
-        entry["_needle_trials"] = {_label(n): trials_for(n) for n in sizes}
+            entry[f"needle_acc_{length_label(n)}"] = needle_accuracy(quantize, n, trials_for(n))
+        entry["_needle_trials"] = {length_label(n): trials_for(n) for n in sizes}
         results[spec] = entry
     progress("reference: uncompressed keys")
     results["none"] = {"size_ratio": 1.0, "rel_mse_k": 0.0, "rel_mse_v": 0.0, "attn_err": 0.0,
-                       **{f"needle_acc_{_label(n)}": needle_accuracy(lambda k, first=False: k, n, trials_for(n))
+                       **{f"needle_acc_{length_label(n)}": needle_accuracy(lambda k, first=False: k, n, trials_for(n))
                           for n in sizes}}
     return results

@@ -167,10 +167,11 @@ QUALITY_KEYS = ("size_ratio", "top1_agreement", "kl", "needle_acc_128k", "rel_ms
 def parse_lengths(text: str) -> tuple[int, ...]:
     """"1024,4k,16k" -> (1024, 4096, 16384); empty -> ()."""
     from kvtier.errors import UsageError
+    from kvtier.recall import label_tokens
     out = []
-    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+    for part in filter(None, (p.strip() for p in text.split(","))):
         try:
-            n = int(part[:-1]) * 1024 if part.endswith("k") else int(part)
+            n = label_tokens(part)
         except ValueError:
             raise UsageError(f"bad context length {part!r}", hint="lengths in tokens, e.g. 1024,4k,16k") from None
         if not 64 <= n <= 131072:
@@ -201,7 +202,7 @@ def bench_quality(
     import sys
 
     from kvtier.bench.quality import QUALITY_CODECS, run_quality_harness
-
+    from kvtier.recall import label_tokens
     lengths = parse_lengths(needle_lengths) or ((1024, 4096) if quick else (1024, 2048, 4096, 8192))  # refused first
     progress = bench_progress(json_out)
     captured, per_codec, context = None, {}, {}
@@ -238,7 +239,7 @@ def bench_quality(
     columns = ["codec", *QUALITY_KEYS, "attn_err"] + [k for k in next(iter(ordered.values()))
                                                      if k.startswith("needle_acc") and k != "needle_acc_128k"] + \
         sorted({k for entry in ordered.values() for k in entry if k.startswith("model_needle_acc")},
-               key=lambda k: int(k.rsplit("_", 1)[1].rstrip("k")))
+               key=lambda k: label_tokens(k.rsplit("_", 1)[1]))
 
     def fmt(value):
         return "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))

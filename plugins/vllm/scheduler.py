@@ -43,10 +43,10 @@ from kvtier.manager import TierManager
 from kvtier.plugins.vllm import turns
 from kvtier.plugins.vllm.geometry import VllmBlockKeys
 from kvtier.plugins.vllm.timing import EngineClock, build_cost_model
-from kvtier.recall import recall_warning
+from kvtier.recall import load_figures, recall_warning
 from kvtier.tiers.nvme import scan_shards
 
-__all__ = ["KVTierScheduler", "RequestState", "StepPlan", "session_of"]
+__all__ = ["KVTierScheduler", "RequestState", "StepPlan", "anonymous_session", "session_of"]
 
 log = logging.getLogger("kvtier.connector")
 
@@ -60,7 +60,12 @@ def session_of(request: Any) -> str:
         except Exception:  # an odd id must not fail the request: fall back to an anonymous one
             log.warning("kvtier: ignoring invalid session id %r", session_id)
     hashes = request.block_hashes
-    return f"anon-{bytes(hashes[0]).hex()[:16]}" if hashes else f"anon-{request.request_id}"[:128]
+    return anonymous_session(hashes[0]) if hashes else f"anon-{request.request_id}"[:128]
+
+
+def anonymous_session(first_block_hash: bytes) -> str:
+    """The session of a request without a session id: named after its first block's hash."""
+    return f"anon-{bytes(first_block_hash).hex()[:16]}"
 
 
 def admin_token_of(config: ConnectorConfig, environ: Any = None) -> str | None:
@@ -138,8 +143,9 @@ class KVTierScheduler:
         if catalog_problem:
             self.manager.warn("catalog", catalog_problem)
         max_context = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+        figures = load_figures()
         for tier, spec in (("warm", warm_codec), ("cold", cold_codec)):  # lossy codecs and long contexts
-            self.manager.warn(f"{tier}_codec_recall", recall_warning(spec, max_context, tier))
+            self.manager.warn(f"{tier}_codec_recall", recall_warning(spec, max_context, tier, figures))
         self.write_behind_s = write_behind_seconds(config.write_behind) if cold_dir else None
         self._stopping = threading.Event()
         self.requests: dict[str, RequestState] = {}

@@ -31,10 +31,6 @@ DEPTHS = (0.05, 0.25, 0.5, 0.75, 0.95)
 EVAL_SEED = 2026  # the benchmark's seed; the model trained on seed stream 0, evaluation draws from stream 1
 
 
-def _label(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
 def _ask(engine, stack, which: int) -> bool:
     out = engine.generate(stack.question(which), 2)
     return list(out.outputs[0].token_ids) == stack.answer(which)
@@ -55,6 +51,8 @@ def run_model_needle(lengths: Sequence[int], haystacks: int, codecs: Sequence[st
     from kvtier.bench.vllm.harness import Engine, cpu_environment
     from kvtier.codecs import resolve_codec
     from kvtier.index import Tier
+    from kvtier.plugins.vllm.scheduler import anonymous_session
+    from kvtier.recall import length_label
     from kvtier.retrieval_model import EVAL_STREAM, ensure_retrieval_model, make_haystack, model_info
     from kvtier.snapshot import open_snapshot
 
@@ -76,13 +74,12 @@ def run_model_needle(lengths: Sequence[int], haystacks: int, codecs: Sequence[st
                     t0 = time.perf_counter()
                     engine.generate(stack.tokens, 1)  # prefill and store (raw)
                     _wait_stored(engine, stack.tokens, length // block)
-                    # the connector's name for a request without a session id: its first block's hash
-                    session = f"anon-{bytes(manager.block_keys(stack.tokens[:block], None)[0]).hex()[:16]}"
+                    session = anonymous_session(manager.block_keys(stack.tokens[:block], None)[0])
                     snap = Path(tmp) / f"h{length}-{h}.kvsnap"
                     _run_job(engine, manager.prepare_snapshot(session, str(snap)))
                     for which in range(len(DEPTHS)):
                         _tally(hits["direct"][length], _ask(engine, stack, which))
-                    progress(f"{_label(length)} haystack {h + 1}/{haystacks}: prefilled in "
+                    progress(f"{length_label(length)} haystack {h + 1}/{haystacks}: prefilled in "
                              f"{time.perf_counter() - t0:.1f} s, direct {hits['direct'][length]}")
                     for spec in codecs:
                         _run_job(engine, manager.evict(session, None))
@@ -100,12 +97,13 @@ def run_model_needle(lengths: Sequence[int], haystacks: int, codecs: Sequence[st
                     _run_job(engine, manager.evict(session, None))
                     engine.forget_hbm()
                 summary = ", ".join(f"{c} {hits[c][length][0]}/{hits[c][length][1]}" for c in hits)
-                progress(f"{_label(length)}: {summary}")
+                progress(f"{length_label(length)}: {summary}")
         finally:
             engine.close()
     results = {}
     for spec, per_length in hits.items():
-        entry = {f"model_needle_acc_{_label(n)}": round(right / total, 4) for n, (right, total) in per_length.items()}
+        entry = {f"model_needle_acc_{length_label(n)}": round(right / total, 4)
+                 for n, (right, total) in per_length.items()}
         if spec in loaded:
             entry["_loaded_blocks"], entry["_expected_blocks"] = loaded[spec]
         results[spec] = entry
@@ -119,9 +117,11 @@ def run_model_needle(lengths: Sequence[int], haystacks: int, codecs: Sequence[st
 def _wait_stored(engine, tokens: list[int], blocks: int, timeout_s: float = 120.0) -> None:
     """Step the engine until the haystack's ``blocks`` full blocks are in the index (stores finish
     a step or more after the request)."""
+    from kvtier.index import namespace_of
+
     manager = engine.manager
     keys = manager.block_keys(tokens[: blocks * manager.geometry.block_tokens], None)
-    namespace = next(iter(manager.sessions.values())).namespace
+    namespace = namespace_of(manager.fingerprint.digest)
     deadline = time.monotonic() + timeout_s
     while len(manager.peek(namespace, keys)) < blocks:
         if time.monotonic() > deadline:
