@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from kvtier.engine import TierEngine
-from kvtier.index import Tier, chain_block_hashes, namespace_of
 from kvtier.layout import CpuLayout, KVGeometry, ModelFingerprint
+from kvtier.plan.index import Tier, chain_block_hashes, namespace_of
 
 
 def human(nbytes: float) -> str:

@@ -195,15 +195,15 @@ def validate_settings(settings: Settings, sources: Mapping[str, str] | None = No
         fail("shared_ttl", "must be between 1 second and a year", "e.g. shared_ttl = 86400 (a day)")
     if settings.shared:
         from kvtier.errors import UsageError as _Usage
-        from kvtier.tiers.shared_config import parse_shared_url
+        from kvtier.tiers.shared.config import parse_shared_url
 
         try:
             parse_shared_url(settings.shared)
         except _Usage as exc:  # not echoing the value: it may hold a password
             raise ConfigError(f"invalid shared (from {sources.get('shared', 'default')}): {exc.message}",
                               hint=exc.hint) from None
-    from kvtier.costmodel import parse_link_caps
     from kvtier.errors import UsageError
+    from kvtier.plan.costmodel import parse_link_caps
 
     try:
         parse_link_caps(settings.link_gbps)

@@ -63,7 +63,7 @@ class ConnectorConfig:
     admin_token: str | None = None  # for hand-written vLLM command lines only (kvtier serve never writes it)
     api_url: str | None = None  # vLLM's own API (an idle engine is woken through it)
     snapshot_dir: str | None = None
-    # the shared tier (kvtier.tiers.shared.SharedConfig reads these)
+    # the shared tier (kvtier.tiers.shared.store.SharedConfig reads these)
     shared: str | None = None
     shared_policy: str = _default("shared_policy")
     shared_codec: str = _default("shared_codec")

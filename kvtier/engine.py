@@ -11,19 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from kvtier.index import Tier
 from kvtier.jobs import Job, JobResult
 from kvtier.layout import ModelFingerprint, adapter_for
-from kvtier.manager import TierManager
-from kvtier.mover import Mover
+from kvtier.move.mover import Mover
+from kvtier.plan.index import Tier
+from kvtier.plan.manager import TierManager
 from kvtier.tiers.dram import DramArena
-from kvtier.tiers.nvme import NvmeStore
+from kvtier.tiers.nvme.store import NvmeStore
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from kvtier.costmodel import CostModel
-    from kvtier.tiers.shared import SharedConfig
+    from kvtier.plan.costmodel import CostModel
+    from kvtier.tiers.shared.store import SharedConfig
 
 __all__ = ["TierEngine"]
 
@@ -59,7 +59,7 @@ class TierEngine:
         records = self.nvme.scan() if self.nvme is not None else []
         self.catalog = None
         if catalog and self.nvme is not None:
-            from kvtier.catalog import Catalog
+            from kvtier.persist.catalog import Catalog
 
             self.catalog = Catalog(nvme_dir, fingerprint)
         self.manager = TierManager(fingerprint, dram_bytes, nvme_bytes if self.nvme is not None else 0, policy,
@@ -74,7 +74,7 @@ class TierEngine:
         shared_kwargs = {}
         if shared is not None:
             from kvtier.codecs import resolve_codec
-            from kvtier.tiers.shared import SharedStore
+            from kvtier.tiers.shared.store import SharedStore
 
             self.shared = SharedStore(shared, rank)
             self.manager.share_sessions()
@@ -134,7 +134,7 @@ class TierEngine:
     def fetch(self, namespace: bytes, keys: Sequence[bytes], tier: Tier = Tier.DRAM) -> int:
         """Bring the longest prefix of ``keys`` that the shared store holds (beyond what this engine
         holds) into DRAM (or NVMe); returns the blocks fetched. A store that is down fetches nothing."""
-        from kvtier.tiers.shared import SharedUnavailable
+        from kvtier.tiers.shared.store import SharedUnavailable
 
         if self.shared is None:
             return 0
@@ -153,7 +153,7 @@ class TierEngine:
     def publish(self, timeout: float = 30.0) -> int:
         """Wait for the blocks offered to the shared store, then publish the changed sessions'
         entries; returns the entries published (0 when the store is down)."""
-        from kvtier.tiers.shared import SharedUnavailable
+        from kvtier.tiers.shared.store import SharedUnavailable
 
         if self.shared is None or self.mover.publisher is None:
             return 0
@@ -196,7 +196,7 @@ class TierEngine:
         return self.execute(self.manager.prepare_snapshot(session_id, str(path)))
 
     def restore(self, path: str | Path, tier: Tier = Tier.DRAM) -> JobResult | None:
-        from kvtier.snapshot import open_snapshot
+        from kvtier.persist.snapshot import open_snapshot
 
         result = self.execute(self.manager.prepare_restore(open_snapshot(path), tier))
         self.manager.sync_catalog()

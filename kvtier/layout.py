@@ -124,7 +124,7 @@ class ModelFingerprint:
 
     model_id: str
     geometry: KVGeometry  # of one rank's shard (its KV heads) with tensor parallelism
-    weights: str = ""  # kvtier.weights.weights_identity of the served weights ("" when unknown)
+    weights: str = ""  # kvtier.persist.weights.weights_identity of the served weights ("" when unknown)
     shards: int = 1  # tensor-parallel size: how many ranks each hold a slice of every block's KV heads
     rank: int | None = None  # the rank whose shard this is (None: the whole engine, as the scheduler sees it)
     kv_scales: str = ""  # fp8 KV caches: how values were scaled into fp8 (blocks are only valid under the same)

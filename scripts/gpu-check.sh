@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (a): kvtier's own tier engine on one CUDA GPU, without vLLM (python -m kvtier.gpucheck).
+# GPU check (a): kvtier's own tier engine on one CUDA GPU, without vLLM (python -m kvtier.diagnose.gpucheck).
 #
 #   scripts/gpu-check.sh --fetch      # on a box with network: wheels the check box lacks -> .gpu-wheels/
 #   scripts/gpu-check.sh [OUT_DIR]    # on the GPU box: install them offline, run, write OUT_DIR/gpucheck.json
@@ -19,7 +19,7 @@ if [ "${1:-}" = "--fetch" ]; then
     exit 0
 fi
 if [ "${1:-}" = "--dry" ]; then
-    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m kvtier.gpucheck --dry
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m kvtier.diagnose.gpucheck --dry
 fi
 out="${1:-${OUT:-.}}"
 mkdir -p "$out"
@@ -29,4 +29,4 @@ if [ -d .gpu-wheels ]; then  # only what is missing; never touch the box's torch
             "$( [ "$mod" = pynvml ] && echo nvidia-ml-py || echo "$mod")"
     done
 fi
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 480 "$PY" -m kvtier.gpucheck --out "$out/gpucheck.json"
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 480 "$PY" -m kvtier.diagnose.gpucheck --out "$out/gpucheck.json"

@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # ("'_lib_fn_wrapper' object has no attribute 'get'"). Engines are created in this process, so the
 # codecs use their torch path here; the numba kernels are tested in a subprocess (test_codecs.py).
 os.environ.setdefault("KVTIER_NO_NUMBA", "1")
-# snapshot signing keys (kvtier.trust) of the test run, not of the user running it
+# snapshot signing keys (kvtier.persist.trust) of the test run, not of the user running it
 os.environ.setdefault("KVTIER_SNAPSHOT_KEYS", os.path.join(__import__("tempfile").gettempdir(),
                                                            f"kvtier-test-keys-{os.getuid()}", "snapshot-keys"))
 
@@ -43,7 +43,7 @@ def hbm(geometry):
 
 def make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, nvme_blocks=64, policy="lru", **kwargs):
     from kvtier.engine import TierEngine
-    from kvtier.tiers.nvme import file_bytes_for
+    from kvtier.tiers.nvme.store import file_bytes_for
 
     block = fingerprint.geometry.block_bytes
     nvme_bytes = nvme_blocks * file_bytes_for(block)
@@ -54,7 +54,7 @@ def make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, nvme_blocks=64, polic
 def records_on_disk(nvme_dir) -> list:
     """(segment file, offset, record bytes) of every block an NVMe directory holds, in disk order
     (read-only: works beside a running server)."""
-    from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.nvme.store import NvmeStore
 
     store = NvmeStore(nvme_dir, 1 << 40, io_threads=1, readonly=True)
     try:
@@ -66,20 +66,20 @@ def records_on_disk(nvme_dir) -> list:
 def break_disk(nvme):
     """A real filesystem fault that fails every commit and keeps every record: the tier's index
     journal moved aside and a directory put in its place (appends fail with EISDIR)."""
-    from kvtier.tiers.journal import JOURNAL_NAME
+    from kvtier.tiers.nvme.journal import JOURNAL_NAME
 
     (nvme / JOURNAL_NAME).rename(nvme / "journal.aside")
     (nvme / JOURNAL_NAME).mkdir()
 
 
 def heal_disk(nvme):
-    from kvtier.tiers.journal import JOURNAL_NAME
+    from kvtier.tiers.nvme.journal import JOURNAL_NAME
 
     (nvme / JOURNAL_NAME).rmdir()
     (nvme / "journal.aside").rename(nvme / JOURNAL_NAME)
 
 
-# --- demo model (kvtier.demo_model) ------------------------------------------------------------
+# --- demo model (kvtier.models.demo) ------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +88,7 @@ def tiny_model():
 
     Set KVTIER_TEST_MODEL_CACHE to move it (default ~/.cache/kvtier-test/models).
     """
-    from kvtier.demo_model import ensure_demo_model
+    from kvtier.models.demo import ensure_demo_model
 
     cache = os.environ.get("KVTIER_TEST_MODEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "kvtier-test", "models")
@@ -98,7 +98,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def mid_model():
     """The mid demo model (~350 MB, built once like the tiny one; only the two-instance test serves it)."""
-    from kvtier.demo_model import ensure_demo_model
+    from kvtier.models.demo import ensure_demo_model
 
     cache = os.environ.get("KVTIER_TEST_MODEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "kvtier-test", "models")

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from kvtier.cli.main import app
 from kvtier.control.client import AdminClient
 from kvtier.control.local import LocalAdmin
-from kvtier.index import chain_block_hashes, namespace_of
+from kvtier.plan.index import chain_block_hashes, namespace_of
 
 runner = CliRunner()
 
@@ -458,7 +458,7 @@ def test_flush_through_the_cli_and_the_dirty_figures(server):
 def test_a_pin_is_in_the_catalog_when_the_command_returns(server):
     import sqlite3
 
-    from kvtier.catalog import _META
+    from kvtier.persist.catalog import _META
 
     assert cli(server, "pin", "agent-2", "--tier", "nvme").exit_code == 0
     # read the catalog file as a restart would, while the server still runs

@@ -8,7 +8,7 @@ from conftest import make_engine
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app
-from kvtier.index import chain_block_hashes, namespace_of
+from kvtier.plan.index import chain_block_hashes, namespace_of
 
 runner = CliRunner()
 

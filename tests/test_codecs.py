@@ -11,8 +11,8 @@ from conftest import make_engine
 
 from kvtier.codecs import get_codec, parse_spec, resolve_codec, transcode
 from kvtier.errors import ConfigError, CorruptBlockError
-from kvtier.index import Tier, chain_block_hashes, namespace_of
 from kvtier.layout import KVGeometry, ModelFingerprint, adapter_for
+from kvtier.plan.index import Tier, chain_block_hashes, namespace_of
 
 LOSSY = ["fp8", "fp8:e5m2", "fp8:head", "int8", "int4", "int4:g32", "int4-lc", "int4-lc:g32"]
 ALL = ["none", "none+zstd"] + LOSSY + ["fp8+zstd", "int4-lc+zstd"]
@@ -300,7 +300,7 @@ def test_snapshot_with_mixed_codecs_restores_bit_identical(fingerprint, hbm, tmp
     engine.store("s", ns, keys, [0, 1, 2, 3])  # blocks 2-3 fp8 in DRAM
     result = engine.snapshot("s", tmp_path / "s.kvts")
     assert result.ok, result.error
-    from kvtier.snapshot import open_snapshot
+    from kvtier.persist.snapshot import open_snapshot
 
     assert open_snapshot(tmp_path / "s.kvts").codec == "int8"
     # blocks 0-1 went fp8 -> int8 when demoted, blocks 2-3 fp8 -> int8 when snapshotted
@@ -337,7 +337,7 @@ def test_unknown_codec_in_settings_is_refused(fingerprint, hbm, tmp_path):
 
 
 def test_stats_report_tokens_per_gib_per_tier():
-    from kvtier.manager import TierManager
+    from kvtier.plan.manager import TierManager
 
     mid = ModelFingerprint("mid", KVGeometry(16, 4, 64, 128, "bfloat16"))  # 2 MiB blocks
     plain = TierManager(mid, 1 << 30, 1 << 34).stats()

@@ -328,7 +328,7 @@ def test_codecs_from_env_and_toml_are_checked(isolated: dict[str, str], tmp_path
 def test_connector_config_round_trips_and_refuses_typos():
     from kvtier.config import Settings
     from kvtier.connector_config import ConnectorConfig
-    from kvtier.serve import build_kv_transfer_config
+    from kvtier.launch.serve import build_kv_transfer_config
 
     extra = build_kv_transfer_config(Settings(), "tiny", "http://127.0.0.1:8000/v1", "/run/kvtier/a.sock",
                                      instance="a")["kv_connector_extra_config"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.costmodel import GB, CostModel, LinkRates, PrefillModel, measure_rates, parse_link_caps
-from kvtier.decide import LoadCandidate, blocks_to_load
 from kvtier.errors import UsageError
+from kvtier.plan.costmodel import GB, CostModel, LinkRates, PrefillModel, measure_rates, parse_link_caps
+from kvtier.plan.decide import LoadCandidate, blocks_to_load
 
 BT = 16
 TRUE = PrefillModel(overhead_s=0.002, per_token_s=50e-6, attention_s=2e-9)
@@ -135,7 +135,7 @@ def test_admin_session_view_reports_the_prediction(fingerprint, hbm, tmp_path):
 
     from kvtier.control.client import AdminClient
     from kvtier.control.local import LocalAdmin
-    from kvtier.index import chain_block_hashes, namespace_of
+    from kvtier.plan.index import chain_block_hashes, namespace_of
 
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=16, nvme_blocks=16)
     ns = namespace_of(fingerprint.digest)
@@ -230,7 +230,7 @@ def test_refreshed_rates_move_the_break_even():
 
 
 def test_worth_keeping_asks_the_break_even():
-    from kvtier.decide import worth_keeping
+    from kvtier.plan.decide import worth_keeping
 
     fast, crawling = model(12, 1.5, block_bytes=512 << 10), model(0.0005, 0.0005, block_bytes=512 << 10)
     assert worth_keeping(10, None, on_nvme=True)  # no model: a cache keeps what it can
@@ -246,7 +246,7 @@ def test_demotion_drops_sessions_whose_restore_would_lose_to_recompute(fingerpri
     dropped (not written), and one pinned to NVMe is written whatever the model says."""
     from conftest import make_engine
 
-    from kvtier.index import IN_NVME, Tier, chain_block_hashes, namespace_of
+    from kvtier.plan.index import IN_NVME, Tier, chain_block_hashes, namespace_of
 
     geometry = fingerprint.geometry
     # 1 ms to read a block from NVMe, and attention-bound prefill: two blocks restore slower than

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.demo_model import (
+from kvtier.errors import KvtierError, UsageError
+from kvtier.models.demo import (
     DEMO_SIZES,
     TORCHVISION_HINT,
     demo_model_dir,
     ensure_demo_model,
     is_demo_model,
 )
-from kvtier.errors import KvtierError, UsageError
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_broken_torchvision_is_explained_and_leaves_nothing(tmp_path, monkeypatc
 
 
 def test_import_does_not_load_torch():
-    code = "import kvtier.demo_model, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import kvtier.models.demo, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

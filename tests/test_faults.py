@@ -27,7 +27,7 @@ def test_crash_trials_lose_nothing_and_serve_nothing_wrong(tmp_path):
 def test_the_restart_check_catches_a_wrong_block(tmp_path):
     """The verifier is not blind: a block stored with another key's content (what a mover bug that
     copies the wrong slot would do) is reported as a wrong load, and a missing acknowledged block as lost."""
-    from kvtier.index import Tier, chain_block_hashes
+    from kvtier.plan.index import Tier, chain_block_hashes
 
     world = faults.World(tmp_path)
     keys = chain_block_hashes(faults._tokens(1, 4), faults.SHAPE[3])
@@ -68,7 +68,7 @@ def test_hostile_inputs_are_refused_without_a_crash(tmp_path):
 
 
 def _pressure_world(tmp_path):
-    from kvtier.index import chain_block_hashes
+    from kvtier.plan.index import chain_block_hashes
 
     world = faults.World(tmp_path, dram_blocks=8, nvme_blocks=64)
     sessions = []
@@ -92,7 +92,7 @@ def test_a_failing_disk_warns_keeps_serving_and_recovers(tmp_path):
     engine.maintain(force=True)
     assert "nvme" in manager.warnings and manager.counters["demote_failed_blocks"] > 0
     manager.low = 0.75
-    from kvtier.index import chain_block_hashes
+    from kvtier.plan.index import chain_block_hashes
 
     keys = chain_block_hashes(faults._tokens(99, 6), faults.SHAPE[3])
     world.put(keys, range(6))
@@ -111,7 +111,7 @@ def test_a_failing_disk_warns_keeps_serving_and_recovers(tmp_path):
 def test_a_failing_disk_never_drops_a_session_pinned_to_nvme(tmp_path):
     """While demotions back off from a failing disk, DRAM victims are dropped, but a block pinned
     to NVMe is never dropped: it stays in DRAM until the disk takes it."""
-    from kvtier.index import IN_NVME, Tier
+    from kvtier.plan.index import IN_NVME, Tier
 
     world, sessions = _pressure_world(tmp_path)
     engine, manager = world.engine, world.engine.manager
@@ -133,7 +133,7 @@ def test_a_failing_disk_never_drops_a_session_pinned_to_nvme(tmp_path):
 
 
 def test_nvme_directory_removed_while_serving_is_recreated(tmp_path):
-    from kvtier.index import Tier, chain_block_hashes
+    from kvtier.plan.index import Tier, chain_block_hashes
 
     world, sessions = _pressure_world(tmp_path)
     world.engine.evict("s0", Tier.NVME)

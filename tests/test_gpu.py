@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvtier.engine import TierEngine
-from kvtier.index import Tier, chain_block_hashes, namespace_of
 from kvtier.layout import KVGeometry, ModelFingerprint, adapter_for
+from kvtier.plan.index import Tier, chain_block_hashes, namespace_of
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from kvtier import gpucheck
+from kvtier.diagnose import gpucheck
 
 
 def test_dry_run_checks_every_layout_bit_exact_and_reports_json(tmp_path, capsys):

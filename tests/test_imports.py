@@ -53,8 +53,8 @@ def test_kvtier_help_imports_no_torch():
 
 
 def test_scheduler_side_modules_import_no_torch():
-    loaded = _modules_after("import kvtier.manager, kvtier.index, kvtier.policy, kvtier.config, kvtier.errors, "
-                            "kvtier.snapshot, kvtier.tiers.nvme")
+    loaded = _modules_after("import kvtier.plan.manager, kvtier.plan.index, kvtier.plan.policy, kvtier.config, "
+                            "kvtier.errors, kvtier.persist.snapshot, kvtier.tiers.nvme.store")
     assert "kvtier" in loaded
     assert not loaded & {"torch", "vllm", "textual"}
 
@@ -103,8 +103,8 @@ def test_tui_only_talks_to_the_admin_client():
     only: never vLLM, torch, or the tier manager itself."""
     tui = Path(kvtier.__file__).resolve().parents[1] / "tui"
     allowed_kvtier = {"kvtier.control.client", "kvtier.control.gpu", "kvtier.control.instances", "kvtier.errors",
-                      "kvtier.reasons", "kvtier.units", "kvtier.tui.model", "kvtier.tui.collector", "kvtier.tui.app",
-                      "kvtier.tui.widgets"}
+                      "kvtier.plan.reasons", "kvtier.units", "kvtier.tui.model", "kvtier.tui.collector",
+                      "kvtier.tui.app", "kvtier.tui.widgets"}
     for path in tui.glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -288,6 +288,6 @@ def test_connector_and_admin_plane_use_the_managers_methods():
     """The vLLM scheduler half, the admin plane and the engine go through TierManager's methods
     (``count``, ``peek``, ``in_dram``, ``warn``...), so the manager's state changes in one place."""
     roots = [CORE.parent / "plugins", CORE / "control"]
-    files = [p for root in roots for p in root.rglob("*.py")] + [CORE / "engine.py", CORE / "serve.py"]
+    files = [p for root in roots for p in root.rglob("*.py")] + [CORE / "engine.py", CORE / "launch" / "serve.py"]
     pokes = [poke for path in files for poke in manager_pokes(path)]
     assert pokes == []

@@ -118,7 +118,7 @@ def test_find_instance_by_name_port_or_alone(run_env, tmp_path):
 # ---- the CLI against two real admin servers ---------------------------------------------------------
 @pytest.fixture
 def two_servers(fingerprint, hbm, tmp_path, run_env):
-    from kvtier.index import chain_block_hashes, namespace_of
+    from kvtier.plan.index import chain_block_hashes, namespace_of
 
     made = []
     for i, name in enumerate(("gpu0", "gpu1")):
@@ -223,7 +223,7 @@ def test_a_hub_id_in_the_local_cache_is_served_by_its_id(run_env, tiny_model, tm
         cmd = result.stdout.split("vLLM command:\n", 1)[1].splitlines()[0]
         assert "--model kvtier-test/tiny-llama" in cmd and "--served-model-name kvtier-test/tiny-llama" in cmd
         assert ("--revision" in cmd) == bool(args) and (not args or f"--revision {args[1]}" in cmd)
-    from kvtier.weights import weights_identity
+    from kvtier.persist.weights import weights_identity
 
     # the weights identity names the resolved snapshot: same files, another commit, another identity
     same = weights_identity("kvtier-test/tiny-llama")
@@ -430,8 +430,8 @@ def test_two_real_instances_tiny_by_hub_id_and_mid(run_env, tiny_model, mid_mode
 
 def test_doctor_reports_every_gpu_of_the_instance(monkeypatch):
     """kvtier doctor names the GPUs an instance uses (not always GPU 0) and warns per GPU."""
-    from kvtier import doctor
     from kvtier.control import gpu
+    from kvtier.diagnose import doctor
 
     class Links(FakeNvml):
         def nvmlDeviceGetCurrPcieLinkGeneration(self, handle):  # noqa: N802
@@ -460,7 +460,7 @@ def test_a_hung_resolver_does_not_hold_serve_up(run_env, tmp_path, monkeypatch):
 
     import huggingface_hub.constants
 
-    from kvtier.serve import resolve_model
+    from kvtier.launch.serve import resolve_model
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     # huggingface_hub reads HF_HUB_OFFLINE once, at its import: another test of this run may have set it

@@ -13,8 +13,8 @@ import torch
 from conftest import make_engine
 
 from kvtier.errors import CapacityError, NotFoundError, UsageError
-from kvtier.index import IN_DRAM, IN_NVME, Tier, chain_block_hashes, namespace_of
 from kvtier.layout import KVGeometry, ModelFingerprint
+from kvtier.plan.index import IN_DRAM, IN_NVME, Tier, chain_block_hashes, namespace_of
 
 POLICIES = ["lru", "arc"]
 
@@ -239,8 +239,8 @@ def test_corrupt_nvme_block_loads_prefix_only(fingerprint, hbm, tmp_path, policy
 
 
 def test_arc_ghost_hit_grows_recency_target():
-    from kvtier.index import BlockIndex
-    from kvtier.policy import ARCPolicy
+    from kvtier.plan.index import BlockIndex
+    from kvtier.plan.policy import ARCPolicy
 
     index = BlockIndex()
     arc = ARCPolicy(capacity_blocks=4)
@@ -285,7 +285,7 @@ def test_index_memory_accounting_matches_tracemalloc():
     import hashlib
     import tracemalloc
 
-    from kvtier.index import BlockIndex
+    from kvtier.plan.index import BlockIndex
 
     n = 20_000
     gc.collect()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.index import IN_DRAM, IN_NVME, PENDING, Tier, chain_block_hashes, namespace_of
 from kvtier.jobs import Job, JobKind, JobResult
-from kvtier.manager import TierManager
-from kvtier.tiers.nvme import file_bytes_for
+from kvtier.plan.index import IN_DRAM, IN_NVME, PENDING, Tier, chain_block_hashes, namespace_of
+from kvtier.plan.manager import TierManager
+from kvtier.tiers.nvme.store import file_bytes_for
 
 
 class FakeMover:

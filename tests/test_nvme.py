@@ -1,4 +1,4 @@
-"""Tests for kvtier.tiers.nvme: block records in segment files on a real disk with real O_DIRECT, no mocks.
+"""Tests for kvtier.tiers.nvme.store: block records in segment files on a real disk with real O_DIRECT, no mocks.
 
 Scenarios: round trips from/to aligned and unaligned memory in both IO modes, restart (journal
 replay), every kind of corruption, the byte budget, a really full filesystem (a 2 MiB tmpfs),
@@ -22,7 +22,7 @@ import torch
 
 from kvtier.errors import CapacityError, CorruptBlockError, StorageError, StorageFullError
 from kvtier.tiers.dram import PAGE, DramArena, round_up
-from kvtier.tiers.nvme import HEADER_BYTES, BlockRecord, NvmeStore, file_bytes_for
+from kvtier.tiers.nvme.store import HEADER_BYTES, BlockRecord, NvmeStore, file_bytes_for
 
 NS = bytes(range(16))
 NS2 = b"\xee" * 16
@@ -448,7 +448,7 @@ crash_payload = _helpers["crash_payload"]
 
 CRASH_WRITER = CRASH_HELPERS + '''
 import sys
-from kvtier.tiers.nvme import NvmeStore
+from kvtier.tiers.nvme.store import NvmeStore
 
 root, run = sys.argv[1], sys.argv[2]
 store = NvmeStore(root, 1 << 40)

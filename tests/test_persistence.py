@@ -18,10 +18,10 @@ import pytest
 import torch
 from conftest import break_disk, heal_disk, make_engine
 
-from kvtier.catalog import Catalog, CatalogLockedError, held_locks
-from kvtier.index import IN_DRAM, IN_NVME, Tier, chain_block_hashes, namespace_of
 from kvtier.jobs import JobKind
 from kvtier.layout import ModelFingerprint
+from kvtier.persist.catalog import Catalog, CatalogLockedError, held_locks
+from kvtier.plan.index import IN_DRAM, IN_NVME, Tier, chain_block_hashes, namespace_of
 
 BT = 16  # tokens per block in the test geometry
 
@@ -79,7 +79,7 @@ def test_sessions_pins_and_tokens_survive_a_restart(fingerprint, hbm, tmp_path):
     assert all(torch.equal(layer[40:44], ref[0:4]) for layer, ref in zip(hbm, reference))
     # 4. a cold session's token ids come back from the catalog for a snapshot
     result = engine.snapshot("cold", tmp_path / "cold.kvsnap")
-    from kvtier.snapshot import open_snapshot
+    from kvtier.persist.snapshot import open_snapshot
 
     assert result.ok and list(open_snapshot(tmp_path / "cold.kvsnap").token_ids) == tokens_of(3, 4)
     engine.close()
@@ -252,7 +252,7 @@ def test_a_damaged_row_is_skipped_not_misread(fingerprint, hbm, tmp_path):
     assert "1 damaged rows skipped" in engine.manager.warnings["catalog"]
     # token ids that fail their checksum are not used: the snapshot carries none rather than wrong ones
     engine.snapshot("agent", tmp_path / "a.kvsnap")
-    from kvtier.snapshot import open_snapshot
+    from kvtier.persist.snapshot import open_snapshot
 
     assert open_snapshot(tmp_path / "a.kvsnap").token_ids == ()
     engine.close()
@@ -271,7 +271,7 @@ def test_a_second_server_on_the_same_catalog_is_refused(fingerprint, hbm, tmp_pa
 def test_serve_refuses_an_nvme_dir_another_server_holds(fingerprint, hbm, tmp_path):
     from kvtier.config import Settings
     from kvtier.errors import ConfigError
-    from kvtier.serve import _check_nvme_dir
+    from kvtier.launch.serve import _check_nvme_dir
 
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     settings = Settings(nvme_dir=str(tmp_path / "nvme"), nvme_bytes=1 << 20)
@@ -282,8 +282,8 @@ def test_serve_refuses_an_nvme_dir_another_server_holds(fingerprint, hbm, tmp_pa
 
 
 def test_catalog_reads_many_sessions_without_splitting_their_keys(fingerprint, tmp_path):
-    from kvtier.catalog import SessionRecord
-    from kvtier.manager import TierManager
+    from kvtier.persist.catalog import SessionRecord
+    from kvtier.plan.manager import TierManager
 
     catalog = Catalog(tmp_path, fingerprint)
     ns = namespace_of(fingerprint.digest)
@@ -306,7 +306,7 @@ def write_safetensors(path, header: dict, payload: bytes = b"\0" * 64) -> None:
 
 
 def test_weights_identity_changes_when_weights_are_replaced_in_place(tmp_path, geometry):
-    from kvtier.weights import weights_identity
+    from kvtier.persist.weights import weights_identity
 
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     write_safetensors(tmp_path / "model.safetensors", {"w": {"dtype": "BF16", "shape": [4, 8],

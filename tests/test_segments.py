@@ -15,8 +15,8 @@ import torch
 
 from kvtier.errors import StorageError
 from kvtier.tiers.dram import PAGE, DramArena, round_up
-from kvtier.tiers.journal import JOURNAL_NAME
-from kvtier.tiers.nvme import IO_BYTES, BlockRecord, NvmeStore, scan_shards
+from kvtier.tiers.nvme.journal import JOURNAL_NAME
+from kvtier.tiers.nvme.store import IO_BYTES, BlockRecord, NvmeStore, scan_shards
 from kvtier.tiers.records import HEADER_BYTES, checksum, file_bytes_for
 
 NS = bytes(range(16))

@@ -133,7 +133,7 @@ def test_flags_kvtier_owns_are_refused_after_dashdash(env, model_dir):
 
 def test_cpu_env_respects_the_users_values(env, model_dir):
     from kvtier.config import load_settings
-    from kvtier.serve import vllm_command
+    from kvtier.launch.serve import vllm_command
 
     settings, _ = load_settings(env={}, toml_path=None)
     _cmd, child_env = vllm_command(str(model_dir), settings, "127.0.0.1", 8000, None, [],
@@ -152,7 +152,7 @@ def test_cpu_env_respects_the_users_values(env, model_dir):
 def test_no_model_means_the_demo_model(env):
     cmd, _prefix, result = dry_run(env, "--demo-size", "mid", "--", "--max-model-len", "512")
     assert "DEMO model" in result.stderr and "gibberish" in result.stderr
-    from kvtier.demo_model import demo_model_dir
+    from kvtier.models.demo import demo_model_dir
 
     where = demo_model_dir("mid", Path(env["XDG_CACHE_HOME"]) / "kvtier" / "models")
     assert cmd[cmd.index("--model") + 1] == str(where)
@@ -164,7 +164,7 @@ def test_no_model_means_the_demo_model(env):
 def test_serve_runs_the_server_and_returns_its_status(env, model_dir, tmp_path, monkeypatch):
     import types
 
-    import kvtier.serve
+    import kvtier.launch.serve
     from kvtier.control.instances import list_instances
 
     calls, registered = [], []
@@ -174,11 +174,11 @@ def test_serve_runs_the_server_and_returns_its_status(env, model_dir, tmp_path, 
         calls.append((cmd, env, url, sock, before_stop, stop_timeout_s))
         return 3
 
-    monkeypatch.setattr(kvtier.serve, "run_server", run_server)
-    demo = types.ModuleType("kvtier.demo_model")
+    monkeypatch.setattr(kvtier.launch.serve, "run_server", run_server)
+    demo = types.ModuleType("kvtier.models.demo")
     demo.ensure_demo_model = lambda size="tiny", cache_dir=None, progress=None: model_dir
     demo.demo_model_dir = lambda size="tiny", cache_dir=None: model_dir
-    monkeypatch.setitem(sys.modules, "kvtier.demo_model", demo)
+    monkeypatch.setitem(sys.modules, "kvtier.models.demo", demo)
     port = free_port()
     result = serve({**env, "XDG_RUNTIME_DIR": str(tmp_path / "run")}, "--port", port, "--", "--enforce-eager")
     assert result.exit_code == 3, result.stderr + result.stdout
@@ -208,7 +208,7 @@ def tmpfs_dir(tmp_path):
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
                              check=False, capture_output=True).returncode == 0
     if not mounted:
-        from kvtier.serve import filesystem_type
+        from kvtier.launch.serve import filesystem_type
 
         if filesystem_type("/dev/shm") != "tmpfs":
             pytest.skip("cannot mount a tmpfs and /dev/shm is not one")
@@ -256,7 +256,7 @@ def test_nvme_budget_counts_what_kvtier_already_stores(tmp_path):
     import shutil
 
     from kvtier.config import Settings
-    from kvtier.serve import preflight
+    from kvtier.launch.serve import preflight
 
     nvme = tmp_path / "nvme"
     block = nvme / "blocks" / ("00" * 16) / "ab" / "abcd.4096.kvb"
@@ -308,7 +308,7 @@ FAKE_SERVER = textwrap.dedent("""
 
 KVTIER = textwrap.dedent("""
     import os, sys, time
-    from kvtier.serve import run_server
+    from kvtier.launch.serve import run_server
     fake, port, pid_file, ignore_term = sys.argv[1:5]
     cmd = [sys.executable, fake, port, pid_file, ignore_term]
     say = lambda msg: print(msg, flush=True)
@@ -404,7 +404,7 @@ def test_kvtier_help_stays_light():
 
 
 def test_run_server_returns_the_status_of_a_server_that_dies():
-    from kvtier.serve import run_server
+    from kvtier.launch.serve import run_server
 
     said = []
     before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
@@ -422,7 +422,7 @@ def test_bad_write_behind_and_stop_timeout_are_refused(env, model_dir):
 
 
 def test_the_admin_socket_follows_the_flag_or_kvtier_admin_socket(env, model_dir, tmp_path):
-    from kvtier.serve import admin_socket_path
+    from kvtier.launch.serve import admin_socket_path
 
     assert admin_socket_path({"KVTIER_ADMIN_SOCKET": "/run/a/kvtier.sock", "XDG_RUNTIME_DIR": "/r"}) == \
         "/run/a/kvtier.sock"
@@ -463,7 +463,7 @@ def test_the_admin_token_never_reaches_the_command_line(env, model_dir, tmp_path
     assert connector_config(cmd)["kv_connector_extra_config"]["admin_tcp"] == "127.0.0.1:8100"
     assert "admin_token" not in connector_config(cmd)["kv_connector_extra_config"]
     from kvtier.config import load_settings
-    from kvtier.serve import vllm_command
+    from kvtier.launch.serve import vllm_command
 
     settings, _ = load_settings(env={k: v for k, v in env.items() if k.startswith("KVTIER_")})
     _cmd, child_env = vllm_command(str(model_dir), settings, "127.0.0.1", 8000, None, [], base_env={},

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_engine
 
-from kvtier.index import chain_block_hashes, namespace_of
+from kvtier.plan.index import chain_block_hashes, namespace_of
 
 if shutil.which("redis-server") is None and shutil.which("valkey-server") is None:
     if os.environ.get("KVTIER_REQUIRE_REDIS"):  # CI installs it: a missing server fails there
@@ -21,7 +21,7 @@ if shutil.which("redis-server") is None and shutil.which("valkey-server") is Non
 
 from kvtier.bench.redisproc import RedisServer, start_cluster  # noqa: E402
 from kvtier.errors import ConfigError, UsageError  # noqa: E402
-from kvtier.tiers.shared import (  # noqa: E402
+from kvtier.tiers.shared.store import (  # noqa: E402
     SharedConfig,
     SharedStore,
     SharedUnavailable,
@@ -74,7 +74,7 @@ def published(box, fingerprint, session_id="agent"):
 # ---- configuration -------------------------------------------------------------------------------
 def test_the_tiers_behind_dram_share_one_interface(tmp_path):
     from kvtier.tiers.base import BlockStore
-    from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.nvme.store import NvmeStore
 
     nvme = NvmeStore(tmp_path / "nvme", 1 << 20)
     try:
@@ -407,7 +407,7 @@ def test_policies_ttl_and_serve_checks(fingerprint, tmp_path, redis_server):
     from dataclasses import replace
 
     from kvtier.config import Settings
-    from kvtier.serve import check_shared
+    from kvtier.launch.serve import check_shared
 
     a, b = two_boxes(fingerprint, tmp_path, redis_server.url, policy="demote", ttl_s=600)
     client = redis_server.client()

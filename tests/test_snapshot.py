@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import xxhash
 
-import kvtier.snapshot as snap
+import kvtier.persist.snapshot as snap
 from kvtier.errors import FingerprintMismatchError, SnapshotError
 from kvtier.layout import KVGeometry, ModelFingerprint
-from kvtier.snapshot import (
+from kvtier.persist.snapshot import (
     BlockEntry,
     SnapshotInfo,
     SnapshotWriter,
@@ -173,7 +173,7 @@ def test_writer_context_manager_and_bad_usage(tmp_path):
 
 
 def test_torch_not_imported():
-    code = "import sys, kvtier.snapshot; assert 'torch' not in sys.modules"
+    code = "import sys, kvtier.persist.snapshot; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -457,7 +457,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from kvtier.layout import KVGeometry, ModelFingerprint
-    from kvtier.snapshot import write_snapshot
+    from kvtier.persist.snapshot import write_snapshot
 
     fp = ModelFingerprint("org/model-a", KVGeometry(2, 2, 8, 16))
     n, size = 400, 1 << 20
@@ -513,7 +513,7 @@ def test_stale_temp_files_of_a_killed_writer_are_removed(tmp_path):
     import os
     import time as _time
 
-    from kvtier.snapshot import remove_stale_temp_files
+    from kvtier.persist.snapshot import remove_stale_temp_files
 
     stale = tmp_path / ".agent.kvsnap.tmp-1a2b3c4d"
     fresh = tmp_path / ".other.kvsnap.tmp-5e6f7a8b"

@@ -18,7 +18,7 @@ from kvtier.bench.top import PtyApp, demo_admin
 from kvtier.cli.main import app as cli_app
 from kvtier.control.client import AdminClient
 from kvtier.errors import NotFoundError
-from kvtier.index import Tier
+from kvtier.plan.index import Tier
 from kvtier.tui.app import TopApp
 from kvtier.tui.collector import Collector, Nvml, replay
 from kvtier.tui.model import Snapshot
@@ -366,7 +366,7 @@ def test_top_never_imports_torch_or_vllm(live):
 
 @aio
 async def test_the_next_turn_column_shows_the_cost_models_call(live):
-    from kvtier.costmodel import GB, CostModel, LinkRates, PrefillModel
+    from kvtier.plan.costmodel import GB, CostModel, LinkRates, PrefillModel
 
     geometry = live.engine.fingerprint.geometry
     live.ops.cost = CostModel(LinkRates(20 * GB, 3 * GB), geometry.block_tokens, geometry.block_bytes,
@@ -388,7 +388,7 @@ async def test_the_next_turn_column_shows_the_cost_models_call(live):
 @aio
 async def test_session_details_say_why_its_last_turns_recomputed(live):
     """enter on a session: its details end with its last turns and each one's reason, asked of the server."""
-    from kvtier.reasons import TurnRecord
+    from kvtier.plan.reasons import TurnRecord
 
     live.engine.manager.turns.add(TurnRecord(
         "session-0003", "req-1", time.time(), 540, 0, 512, 256, "dram", 284, "diverged",

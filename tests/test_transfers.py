@@ -15,9 +15,9 @@ import torch
 
 from kvtier.engine import TierEngine
 from kvtier.errors import ConfigError, FingerprintMismatchError
-from kvtier.index import chain_block_hashes, namespace_of
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult, RankMerger
 from kvtier.layout import KVGeometry, ModelFingerprint
+from kvtier.plan.index import chain_block_hashes, namespace_of
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=8, block_tokens=16, dtype="bfloat16")
 TOKENS = list(range(1000, 1064))  # four 16-token blocks
@@ -141,7 +141,7 @@ def test_rank_results_merge_once_every_rank_reported():
 
 
 def test_each_rank_snapshots_its_own_shard_and_restores_only_at_its_tp_size(tmp_path):
-    from kvtier.snapshot import open_snapshot, shard_path
+    from kvtier.persist.snapshot import open_snapshot, shard_path
 
     ranks = [engine(tmp_path, f"r{r}", kv_layers(10 + r), shards=2, rank=r) for r in range(2)]
     ns = namespace_of(ranks[0].fingerprint.digest)
@@ -172,7 +172,7 @@ def test_each_rank_snapshots_its_own_shard_and_restores_only_at_its_tp_size(tmp_
 def test_a_sharded_snapshot_missing_a_rank_file_is_refused(tmp_path):
     import os
 
-    from kvtier.snapshot import open_snapshot
+    from kvtier.persist.snapshot import open_snapshot
 
     eng = engine(tmp_path, "r0", kv_layers(40), shards=2, rank=0)
     ns = namespace_of(eng.fingerprint.digest)
@@ -187,7 +187,7 @@ def test_a_sharded_snapshot_missing_a_rank_file_is_refused(tmp_path):
 
 
 def test_rank_files_live_apart_and_only_blocks_on_every_rank_count(tmp_path):
-    from kvtier.tiers.nvme import NvmeStore, scan_shards, shard_dir
+    from kvtier.tiers.nvme.store import NvmeStore, scan_shards, shard_dir
 
     assert shard_dir(tmp_path, 0, 1) == tmp_path
     assert shard_dir(tmp_path, 1, 2) == tmp_path / "tp2-rank1"
@@ -256,7 +256,7 @@ def test_hybrid_and_sliding_window_models_are_refused_by_name():
 
 
 def test_cpu_tensor_parallel_ranks_get_their_own_cores():
-    from kvtier.serve import tensor_parallel_size, vllm_cpu_env
+    from kvtier.launch.serve import tensor_parallel_size, vllm_cpu_env
 
     assert tensor_parallel_size(["-tp", "2"]) == 2 and tensor_parallel_size(["--tensor-parallel-size=4"]) == 4
     env = vllm_cpu_env({}, ["-tp", "2"])
@@ -271,7 +271,7 @@ def test_cpu_tensor_parallel_ranks_get_their_own_cores():
 def test_a_kv_cache_size_passed_to_vllm_is_not_overridden_by_kvtier_defaults(args):
     """vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE beat --kv-cache-memory-bytes: kvtier must not
     set the variable when the user sized the cache with the flag."""
-    from kvtier.serve import vllm_cpu_env
+    from kvtier.launch.serve import vllm_cpu_env
 
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_cpu_env({}, args)
     assert vllm_cpu_env({}, [])["VLLM_CPU_KVCACHE_SPACE"] == "4"  # the default when nothing sizes it
@@ -285,7 +285,7 @@ def test_every_rank_checks_its_own_shard_is_signed(tmp_path):
 
     import xxhash
 
-    from kvtier.snapshot import open_snapshot, shard_path
+    from kvtier.persist.snapshot import open_snapshot, shard_path
 
     ranks = [engine(tmp_path, f"r{r}", kv_layers(50 + r), shards=2, rank=r) for r in range(2)]
     ns = namespace_of(ranks[0].fingerprint.digest)

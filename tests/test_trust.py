@@ -18,7 +18,7 @@ import xxhash
 from conftest import make_engine
 
 from kvtier.errors import SnapshotError
-from kvtier.index import Tier, chain_block_hashes, namespace_of
+from kvtier.plan.index import Tier, chain_block_hashes, namespace_of
 
 BT = 16
 _PREAMBLE = struct.Struct("<8sHHQQQQ")
@@ -131,7 +131,7 @@ def test_a_salted_tenants_snapshot_needs_its_salt(fingerprint, hbm, tmp_path):
     path, keys, _tokens = take_snapshot(source, tmp_path, salt="tenant-a")
     source.close()
     engine = fresh(fingerprint, hbm, tmp_path)
-    from kvtier.snapshot import open_snapshot
+    from kvtier.persist.snapshot import open_snapshot
 
     with pytest.raises(SnapshotError, match="namespace is not this engine's"):
         engine.manager.prepare_restore(open_snapshot(path))
@@ -160,7 +160,7 @@ def test_an_invalid_session_id_is_refused_before_anything_is_taken(fingerprint, 
 
 
 def test_a_header_larger_than_any_session_here_is_not_parsed(fingerprint, hbm, tmp_path):
-    from kvtier.snapshot import open_snapshot
+    from kvtier.persist.snapshot import open_snapshot
 
     source = make_engine(fingerprint, hbm, tmp_path / "source", dram_blocks=16)
     path, _keys, _tokens = take_snapshot(source, tmp_path)
@@ -225,8 +225,8 @@ def restore_through(served, path, **extra) -> dict:
 
 
 def test_the_server_signs_its_snapshots_and_restores_them(served, keys):
-    from kvtier.snapshot import open_snapshot
-    from kvtier.trust import load_keys
+    from kvtier.persist.snapshot import open_snapshot
+    from kvtier.persist.trust import load_keys
 
     path = snapshot_through(served)
     assert keys.exists() and (keys.stat().st_mode & 0o777) == 0o600  # made on first use, private
@@ -285,8 +285,8 @@ def test_snapshot_out_where_the_user_stands_and_restore_hand_the_file_over(serve
     from typer.testing import CliRunner
 
     from kvtier.cli.main import app
-    from kvtier.snapshot import open_snapshot
-    from kvtier.trust import load_keys
+    from kvtier.persist.snapshot import open_snapshot
+    from kvtier.persist.trust import load_keys
 
     here = tmp_path / "work"
     here.mkdir()

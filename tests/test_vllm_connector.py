@@ -27,7 +27,7 @@ from conftest import records_on_disk  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-from kvtier.index import Tier  # noqa: E402
+from kvtier.plan.index import Tier  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size
 GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
@@ -216,7 +216,7 @@ def test_aborted_request_leaves_nothing_pending(tiny_model, tmp_path):
         engine.step()
     run(llm, prompt_of(98, 40))  # one more step for the worker's last results
     manager = scheduler_connector(llm).manager
-    from kvtier.index import PENDING
+    from kvtier.plan.index import PENDING
 
     assert not manager.jobs  # every job the aborted request caused has completed
     assert (manager.index.col["refs"] == 0).all()
@@ -275,9 +275,9 @@ def test_demo_restarts_the_real_server_and_the_session_comes_back(tiny_model, tm
     # the seed's scenario end to end over real processes: kvtier serve, a session, snapshot, Ctrl-C,
     # a new kvtier serve on the same NVMe dir, the session listed at once, its next turn loads
     from kvtier.bench.vllm import demo
-    from kvtier.snapshot import open_snapshot
+    from kvtier.persist.snapshot import open_snapshot
 
-    monkeypatch.setattr("kvtier.demo_model.ensure_demo_model", lambda size, progress=None: tiny_model)
+    monkeypatch.setattr("kvtier.models.demo.ensure_demo_model", lambda size, progress=None: tiny_model)
     lines: list[str] = []
     result = demo.run_demo(tokens=1100, size="tiny", workdir=str(tmp_path), say=lines.append)
     assert result["state_after_restart"] == "cold"
@@ -349,7 +349,7 @@ def test_lossy_cold_codec_through_vllm(tiny_model, tmp_path, monkeypatch):
     the greedy tokens match the uncompressed run (the tiny model is robust to this error). With
     needle figures on this box that show int4-lc falling at 2k tokens, the connector warns (this
     engine accepts 4k-token contexts)."""
-    from kvtier.recall import save_figures
+    from kvtier.codecs.recall import save_figures
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     save_figures({"per_codec": {"none": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 1.0},

@@ -419,7 +419,7 @@ class TopApp(App):
             return ["", f"last turns: not available ({exc.message})"]
         if not turns:
             return ["", "last turns: none since the server started"]
-        from kvtier.reasons import format_turn
+        from kvtier.plan.reasons import format_turn
 
         return ["", "last turns (why each recomputed what it did):"] + [f"  {format_turn(t)}" for t in turns[-5:]]
 

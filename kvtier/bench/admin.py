@@ -189,7 +189,7 @@ def _local_engine(name: str, shape: tuple, hbm_blocks: int, dram_blocks: int, di
 def run_local_load_latency(seconds: float, progress: Callable[[str], None]) -> dict:
     """Admin latency against an in-process tier engine storing and loading in a loop."""
     from kvtier.control.local import LocalAdmin
-    from kvtier.index import chain_block_hashes, namespace_of
+    from kvtier.plan.index import chain_block_hashes, namespace_of
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-admin-") as tmp:
         engine, fingerprint = _local_engine("bench-admin", (4, 2, 64, 128), 64, 256, Path(tmp))
@@ -233,7 +233,7 @@ def run_local_load_latency(seconds: float, progress: Callable[[str], None]) -> d
 def run_fuzz(examples: int, progress: Callable[[str], None]) -> dict:
     from kvtier.control.client import AdminClient
     from kvtier.control.local import LocalAdmin
-    from kvtier.index import chain_block_hashes, namespace_of
+    from kvtier.plan.index import chain_block_hashes, namespace_of
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-fuzz-") as tmp:
         engine, fingerprint = _local_engine("bench-fuzz", (2, 2, 32, 16), 16, 64, Path(tmp))

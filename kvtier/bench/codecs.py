@@ -84,7 +84,7 @@ def _restore(spec: str, payloads, sizes, directory: Path, raw: RawDirectIO, reps
     import torch
 
     from kvtier.codecs import get_codec
-    from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.nvme.store import NvmeStore
 
     geometry = _geometry()
     n = len(sizes)

@@ -94,7 +94,7 @@ def run_pressure(sessions: int = 1000, dram_blocks: int = 64, seed: int = 0, dir
     """``sessions`` sessions churn through a ``dram_blocks`` DRAM tier (with NVMe behind it)."""
     import gc
 
-    from kvtier.index import chain_block_hashes
+    from kvtier.plan.index import chain_block_hashes
 
     rng = random.Random(seed)
     out = {"pressure_sessions": sessions, "dram_budget_exceeded": 0, "wrong_loads": 0}

@@ -39,7 +39,7 @@ class _Record:
 
 
 def _records(nvme_dir: Path) -> list[_Record]:
-    from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.nvme.store import NvmeStore
 
     store = NvmeStore(nvme_dir, 1 << 40, io_threads=1, readonly=True)
     try:
@@ -85,7 +85,7 @@ def _damage_record(record: _Record, fault: str, rng: random.Random, others: list
                 return f"last record cut at {at}"
             os.pwrite(fd, bytes(end - at), at)
             return f"last record zeroed from {at}"
-    from kvtier.tiers.journal import ENTRY_BYTES, JOURNAL_NAME
+    from kvtier.tiers.nvme.journal import ENTRY_BYTES, JOURNAL_NAME
 
     journal = path.parent.parent / JOURNAL_NAME  # index_bitflip: the entry naming this block
     data = bytearray(journal.read_bytes())
@@ -99,7 +99,7 @@ def _damage_record(record: _Record, fault: str, rng: random.Random, others: list
 
 def _meaningful_ranges(path: Path) -> list[tuple[int, int]]:
     """Byte ranges of a snapshot that carry data (not alignment padding): a fault there must be caught."""
-    from kvtier.snapshot import _PREAMBLE, PREAMBLE_BYTES, open_snapshot
+    from kvtier.persist.snapshot import _PREAMBLE, PREAMBLE_BYTES, open_snapshot
 
     info = open_snapshot(path)
     header_len = _PREAMBLE.unpack_from(path.read_bytes()[: _PREAMBLE.size])[3]
@@ -134,7 +134,7 @@ def _damage(path: Path, fault: str, rng: random.Random) -> str:
         what = f"page {page} zeroed"
     else:  # swap two blocks' payloads inside the snapshot (a whole snapshot under another name is
         # just that session's valid snapshot: content-addressed blocks restore correctly)
-        from kvtier.snapshot import open_snapshot
+        from kvtier.persist.snapshot import open_snapshot
 
         blocks = [b for b in open_snapshot(path).blocks if b.nbytes]
         a, b = rng.sample(blocks, 2)
@@ -150,7 +150,7 @@ def run_corruption_trials(trials: int = 1000, seed: int = 0, directory: Path | N
                           progress: Callable[[str], None] = print) -> dict:
     """Damage one NVMe block file or one snapshot file per trial, then load it through a fresh engine."""
     from kvtier.errors import KvtierError
-    from kvtier.index import Tier, chain_block_hashes
+    from kvtier.plan.index import Tier, chain_block_hashes
 
     rng = random.Random(seed)
     out = {"corruption_trials": 0, "detected": 0, "corrupt_loads": 0, "harmless": 0}

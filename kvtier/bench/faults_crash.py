@@ -25,8 +25,8 @@ def _crash_child(root: str, seed: int, fd: int) -> None:
     durable, and every NVMe deletion before it may happen."""
     import torch
 
-    from kvtier.index import Tier, chain_block_hashes
     from kvtier.jobs import JobKind
+    from kvtier.plan.index import Tier, chain_block_hashes
 
     torch.set_num_threads(1)
     rng = random.Random(seed)
@@ -103,7 +103,7 @@ def _crash_child(root: str, seed: int, fd: int) -> None:
 
 def _verify_after_restart(root: Path, acked_nvme: set[bytes], acked_snaps: set[str], check_snaps: list[Path],
                           out: dict) -> None:
-    from kvtier.snapshot import open_snapshot, remove_stale_temp_files, verify_snapshot
+    from kvtier.persist.snapshot import open_snapshot, remove_stale_temp_files, verify_snapshot
 
     world = World(root)  # a restart: replays the NVMe index (or rebuilds it), punches torn tails
     try:
@@ -150,7 +150,7 @@ def _verify_after_restart(root: Path, acked_nvme: set[bytes], acked_snaps: set[s
 
 
 def _unnamed_tail(nvme_dir: Path) -> int:
-    from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.nvme.store import NvmeStore
 
     if not nvme_dir.is_dir():
         return 0
@@ -243,7 +243,7 @@ def run_crash_trials(trials: int = 200, seed: int = 0, directory: Path | None = 
                 killed_during[last_op] = killed_during.get(last_op, 0) + 1
                 out["torn_tail_trials"] += _unnamed_tail(root / "nvme") > 0  # a batch the kill cut short
                 if trial % 4 == 3:  # every fourth restart also finds its index gone: rebuilt from the segments
-                    from kvtier.tiers.journal import JOURNAL_NAME
+                    from kvtier.tiers.nvme.journal import JOURNAL_NAME
 
                     (root / "nvme" / JOURNAL_NAME).unlink(missing_ok=True)
                 snaps = sorted((root / "snapshots").glob("*.kvsnap"), key=lambda p: p.stat().st_mtime)

@@ -27,7 +27,7 @@ def _crafted_snapshots(directory: Path, fingerprint, other_fingerprint) -> list[
     """Snapshot files with valid checksums and hostile contents."""
     import xxhash
 
-    from kvtier.snapshot import _PREAMBLE, FORMAT_VERSION, MAGIC, PREAMBLE_BYTES, write_snapshot
+    from kvtier.persist.snapshot import _PREAMBLE, FORMAT_VERSION, MAGIC, PREAMBLE_BYTES, write_snapshot
     from kvtier.tiers.dram import PAGE, round_up
 
     base = directory / "base.kvsnap"
@@ -92,8 +92,8 @@ def run_hostile(examples: int = 600, directory: Path | None = None, progress: Ca
     """Hostile input at every door: the admin API, snapshot files, session ids, other models' blocks."""
     from kvtier.bench.admin import run_fuzz
     from kvtier.errors import KvtierError
-    from kvtier.index import Tier, chain_block_hashes, namespace_of, validate_session_id
-    from kvtier.snapshot import open_snapshot
+    from kvtier.persist.snapshot import open_snapshot
+    from kvtier.plan.index import Tier, chain_block_hashes, namespace_of, validate_session_id
 
     out = {"hostile_inputs": 0, "hostile_crashes": 0, "hostile_accepted": 0, "served_across_models": 0,
            "served_across_tenants": 0}
@@ -168,8 +168,8 @@ def _forge(data: bytes, rng, kind: str, other_payload: bytes, other_keys: list[b
     format allows, every checksum recomputed (only the signature cannot be, without the key)."""
     import xxhash
 
-    from kvtier.index import chain_block_hashes, namespace_of
-    from kvtier.snapshot import PREAMBLE_BYTES
+    from kvtier.persist.snapshot import PREAMBLE_BYTES
+    from kvtier.plan.index import chain_block_hashes, namespace_of
 
     magic, version, flags, header_len, _sum, payload_offset, file_len = _PRE.unpack_from(data)
     doc = json.loads(data[PREAMBLE_BYTES:PREAMBLE_BYTES + header_len])
@@ -227,7 +227,7 @@ def run_poisoning(attempts: int = 240, refused_restores: int = 1000, seed: int =
     from kvtier.control.client import AdminClient
     from kvtier.control.local import LocalAdmin
     from kvtier.errors import KvtierError
-    from kvtier.index import chain_block_hashes
+    from kvtier.plan.index import chain_block_hashes
 
     rng = random.Random(seed)
     out = {"poisoning_attempts": 0, "accepted_forged": 0, "poisoned_loads": 0, "slot_leaks": 0,
@@ -350,7 +350,7 @@ def run_path_escapes(directory: Path | None = None, progress: Callable[[str], No
     from kvtier.control.client import AdminClient
     from kvtier.control.local import LocalAdmin
     from kvtier.errors import KvtierError
-    from kvtier.index import chain_block_hashes
+    from kvtier.plan.index import chain_block_hashes
 
     out = {"path_escapes_tried": 0, "path_escapes": 0, "blocked_requests": 0, "_escaped": [], "_slowest_s": 0.0}
     with tempfile.TemporaryDirectory(prefix="kvtier-faults-paths-", dir=directory) as tmp:

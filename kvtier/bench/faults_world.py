@@ -32,9 +32,9 @@ class World:
         import torch
 
         from kvtier.engine import TierEngine
-        from kvtier.index import namespace_of
         from kvtier.layout import CpuLayout, adapter_for
-        from kvtier.tiers.nvme import file_bytes_for
+        from kvtier.plan.index import namespace_of
+        from kvtier.tiers.nvme.store import file_bytes_for
 
         self.fingerprint = _fingerprint(name)
         self.geometry = g = self.fingerprint.geometry
@@ -88,7 +88,7 @@ class World:
         return loaded, wrong
 
     def visible_nvme_keys(self) -> set[bytes]:
-        from kvtier.index import IN_NVME, PENDING
+        from kvtier.plan.index import IN_NVME, PENDING
 
         index = self.engine.manager.index
         flags = index.col["flags"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from kvtier.recall import length_label
+from kvtier.codecs.recall import length_label
 
 __all__ = ["NEEDLE_MARGIN", "NEEDLE_SIZES", "QUALITY_CODECS", "needle_accuracy", "reconstruction",
            "quantizer_for", "run_quality_harness"]

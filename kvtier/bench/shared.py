@@ -39,7 +39,7 @@ def run_client_ratios(url: str, sizes=(2 << 20, 256 << 10), total_bytes: int = 6
     import redis
     import torch
 
-    from kvtier.tiers.shared import SharedConfig, SharedStore
+    from kvtier.tiers.shared.store import SharedConfig, SharedStore
 
     store = SharedStore(SharedConfig(url))
     client = redis.Redis.from_url(url, socket_timeout=10)
@@ -119,10 +119,10 @@ def forge(kind: str, good: bytes, other_key_value: bytes, store, namespace: byte
           fingerprint: bytes, payload: bytes) -> bytes:
     """A value for ``key`` that the tier must refuse, made the ``kind`` way from ``good`` (a valid one)."""
     from kvtier.tiers.records import checksum, pack_header
-    from kvtier.tiers.shared import VALUE_PREFIX
+    from kvtier.tiers.shared.store import VALUE_PREFIX
 
     def signed_with(mac_key: bytes | None, **override) -> bytes:
-        from kvtier.trust import sign
+        from kvtier.persist.trust import sign
 
         fields = dict(namespace=namespace, key=key, fingerprint=fingerprint, rank=0, nbytes=len(payload))
         fields.update(override)
@@ -171,9 +171,9 @@ def run_foreign_values(url: str, per_kind: int = 45, progress: Callable[[str], N
     import torch
 
     from kvtier.engine import TierEngine
-    from kvtier.index import chain_block_hashes, namespace_of
     from kvtier.layout import CpuLayout, KVGeometry, ModelFingerprint
-    from kvtier.tiers.shared import SharedConfig, SharedStore, block_key
+    from kvtier.plan.index import chain_block_hashes, namespace_of
+    from kvtier.tiers.shared.store import SharedConfig, SharedStore, block_key
 
     geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16, dtype="bfloat16")
     fingerprint = ModelFingerprint("bench-shared", geometry)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 # the raw direct IO reference lives with the tiers (the cost model measures disks with it too)
-from kvtier.tiers.rawio import RawDirectIO, drop_page_cache  # noqa: F401 - the benchmarks import them from here
+from kvtier.tiers.nvme.rawio import RawDirectIO, drop_page_cache  # noqa: F401 - the benchmarks import them from here
 
 __all__ = ["run_tiers_bench", "TIERS_KEYS"]
 
@@ -128,7 +128,7 @@ def bench_nvme(directory: Path, total_bytes: int, reps: int, io_threads: int = 8
     import torch
 
     from kvtier.tiers.dram import DramArena
-    from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.nvme.store import NvmeStore
 
     fingerprint, namespace = b"f" * 16, b"n" * 16
     raw = RawDirectIO(directory, total_bytes, chunk=8 << 20)
@@ -189,7 +189,7 @@ def bench_nvme(directory: Path, total_bytes: int, reps: int, io_threads: int = 8
 # ---- snapshots ----------------------------------------------------------------------------------
 def bench_snapshot(directory: Path, session_bytes: int, reps: int) -> dict:
     from kvtier.layout import KVGeometry, ModelFingerprint
-    from kvtier.snapshot import IO_CHUNK, verify_snapshot, write_snapshot
+    from kvtier.persist.snapshot import IO_CHUNK, verify_snapshot, write_snapshot
 
     blocks = session_bytes // BLOCK
     geometry = KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16)  # 2 MiB blocks
@@ -245,9 +245,9 @@ def bench_snapshot(directory: Path, session_bytes: int, reps: int) -> dict:
 def bench_index(num_blocks: int) -> dict:
     import hashlib
 
-    from kvtier.index import IN_DRAM, BlockIndex
     from kvtier.layout import KVGeometry, ModelFingerprint
-    from kvtier.manager import TierManager
+    from kvtier.plan.index import IN_DRAM, BlockIndex
+    from kvtier.plan.manager import TierManager
 
     index = BlockIndex()
     namespace = b"n" * 16

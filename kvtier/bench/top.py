@@ -29,7 +29,7 @@ def demo_admin(directory: Path, sessions: int, churn: bool = True):
     ``churn`` a thread keeps storing into some of them (so every refresh has changes)."""
     from kvtier.bench.admin import _local_engine
     from kvtier.control.local import LocalAdmin
-    from kvtier.index import chain_block_hashes, namespace_of
+    from kvtier.plan.index import chain_block_hashes, namespace_of
 
     engine, fingerprint = _local_engine("bench-top", (2, 2, 32, 16), 64, max(64, 2 * sessions), directory)
     ns = namespace_of(fingerprint.digest)

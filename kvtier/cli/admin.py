@@ -200,7 +200,7 @@ def register(app: typer.Typer, snapshot_app: typer.Typer) -> None:
         if not turns:
             typer.echo("last turns: none since this server started")
             return
-        from kvtier.reasons import format_turn
+        from kvtier.plan.reasons import format_turn
 
         typer.echo("last turns (oldest first; why each recomputed what it did):")
         for turn in turns:

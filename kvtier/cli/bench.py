@@ -166,8 +166,8 @@ QUALITY_KEYS = ("size_ratio", "top1_agreement", "kl", "needle_acc_128k", "rel_ms
 
 def parse_lengths(text: str) -> tuple[int, ...]:
     """"1024,4k,16k" -> (1024, 4096, 16384); empty -> ()."""
+    from kvtier.codecs.recall import label_tokens
     from kvtier.errors import UsageError
-    from kvtier.recall import label_tokens
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:
@@ -202,7 +202,7 @@ def bench_quality(
     import sys
 
     from kvtier.bench.quality import QUALITY_CODECS, run_quality_harness
-    from kvtier.recall import label_tokens
+    from kvtier.codecs.recall import label_tokens
     lengths = parse_lengths(needle_lengths) or ((1024, 4096) if quick else (1024, 2048, 4096, 8192))  # refused first
     progress = bench_progress(json_out)
     captured, per_codec, context = None, {}, {}
@@ -216,9 +216,9 @@ def bench_quality(
     needle = None
     if vllm and model_needle:
         from kvtier.bench.vllm.needle import run_in_child
-        from kvtier.recall import save_figures
+        from kvtier.codecs.recall import save_figures
         needle = run_in_child(lengths, haystacks or (2 if quick else 8), progress=progress)
-        save_figures(needle)  # kvtier status / doctor warn from the latest figures (kvtier.recall)
+        save_figures(needle)  # kvtier status / doctor warn from the latest figures (kvtier.codecs.recall)
         context["model_needle"] = {k.lstrip("_"): needle[k] for k in ("_lengths", "_trials_per_length",
                                                                      "_haystacks_per_length", "_wall_s", "_seed")}
     results = run_quality_harness(quick=quick, captured=captured, progress=progress, trials=trials or None,

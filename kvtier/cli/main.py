@@ -134,9 +134,9 @@ def serve(
     """
     import shlex
 
-    from kvtier import serve as srv
     from kvtier.config import load_settings
     from kvtier.errors import UsageError
+    from kvtier.launch import serve as srv
 
     extra = list(ctx.args)
     if model is not None and model.startswith("-"):  # `kvtier serve -- --flag ...` with no MODEL
@@ -165,7 +165,7 @@ def serve(
         if host_part not in ("127.0.0.1", "::1", "[::1]", "localhost") or not port_part.isdigit():
             raise UsageError(f"--admin-tcp {admin_tcp!r} is not a loopback HOST:PORT",
                              hint="e.g. --admin-tcp 127.0.0.1:8100 (the admin API never listens beyond this box)")
-        from kvtier.secrets import admin_token
+        from kvtier.persist.secrets import admin_token
 
         token = admin_token(admin_token_file)
     elif admin_token_file:
@@ -181,7 +181,7 @@ def serve(
     if source is None:
         typer.echo(srv.DEMO_BANNER, err=True)
         try:
-            from kvtier.demo_model import demo_model_dir, ensure_demo_model
+            from kvtier.models.demo import demo_model_dir, ensure_demo_model
         except ImportError:
             raise UsageError("the demo model is not available in this install", hint=srv.NO_MODEL_HINT) from None
         if dry_run:  # where it is (or would be built): a dry run builds nothing
@@ -250,8 +250,8 @@ def snapshot_inspect(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show a snapshot's header: model, session, tokens, blocks, codec (reads no payload)."""
-    from kvtier.snapshot import open_snapshot
-    from kvtier.trust import keys_file, load_keys
+    from kvtier.persist.snapshot import open_snapshot
+    from kvtier.persist.trust import keys_file, load_keys
 
     info = open_snapshot(file, trusted_keys=load_keys())
     if json_out:
@@ -282,7 +282,7 @@ def snapshot_verify(
     """Check a snapshot's header and every block checksum."""
     from rich.progress import Progress
 
-    from kvtier.snapshot import verify_snapshot
+    from kvtier.persist.snapshot import verify_snapshot
 
     if json_out:
         info = verify_snapshot(file)
@@ -376,9 +376,9 @@ def doctor(
     """Links, disks and the load-or-recompute break-even on this box, with plain warnings."""
     from kvtier.config import load_settings
     from kvtier.control.client import connect
-    from kvtier.costmodel import parse_link_caps
-    from kvtier.doctor import run_doctor
+    from kvtier.diagnose.doctor import run_doctor
     from kvtier.errors import KvtierError
+    from kvtier.plan.costmodel import parse_link_caps
 
     settings, _ = load_settings()
     caps = parse_link_caps(link_gbps)

@@ -9,7 +9,7 @@ from urllib.parse import unquote
 
 from kvtier.control.ops import API_VERSION, ApiError, resolve_snapshot_path
 from kvtier.errors import NotFoundError
-from kvtier.index import Tier, validate_session_id
+from kvtier.plan.index import Tier, validate_session_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.control.ops import Ops
@@ -96,7 +96,7 @@ def _sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
 
 def _session_view(ops: "Ops", session_id: str) -> dict:
     """One session, with its last turns (oldest first): what each found, loaded, and why not more
-    (``kvtier.reasons``). Called under the lock."""
+    (``kvtier.plan.reasons``). Called under the lock."""
     info = _decorate(ops, ops.manager.session_info(session_id))
     info["turns"] = ops.manager.turns.to_dicts(info["session_id"])
     return info
@@ -219,7 +219,7 @@ def _snapshot(ops: "Ops", session: str, body: dict, fds: list[int], **_) -> tupl
         return _write(ops, "snapshot", session, lambda: ops.manager.prepare_snapshot(session, path, in_place=True),
                       hold=handed)
     path = resolve_snapshot_path(ops, body.get("path"), session)
-    from kvtier.snapshot import overwrite_refusal
+    from kvtier.persist.snapshot import overwrite_refusal
 
     refusal = overwrite_refusal(path)
     if refusal:
@@ -262,8 +262,8 @@ def _restore(ops: "Ops", body: dict, fds: list[int], **_) -> tuple[int, dict]:
 
 
 def _restore_file(ops: "Ops", path: Path, tier, salt, trust_unsigned: bool, handed: int | None) -> tuple[int, dict]:
-    from kvtier.snapshot import open_snapshot
-    from kvtier.trust import keys_file, load_keys
+    from kvtier.persist.snapshot import open_snapshot
+    from kvtier.persist.trust import keys_file, load_keys
 
     # validates the whole header (SnapshotError -> 400 with a hint), no longer than a session here can
     # need, and its signature: only snapshots signed by a trusted key restore unless the operator says so
@@ -317,7 +317,7 @@ def _shared(ops: "Ops", **_) -> tuple[int, dict]:
 
 def _shared_sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
     """What the boxes sharing the store published for this model (one round trip; no lock held)."""
-    from kvtier.tiers.shared import SharedUnavailable
+    from kvtier.tiers.shared.store import SharedUnavailable
 
     shared = _need_shared(ops)
     try:
@@ -339,7 +339,7 @@ def _shared_restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
     """Pull a session another box published: its keys recomputed from its token ids, the blocks the
     store still holds fetched into DRAM (or NVMe) -- a FETCH job, verified value by value."""
     from kvtier.errors import NotFoundError
-    from kvtier.tiers.shared import SharedUnavailable
+    from kvtier.tiers.shared.store import SharedUnavailable
 
     shared = _need_shared(ops)
     session = validate_session_id(body.get("session") or "")

@@ -35,7 +35,7 @@ def connect(socket_path: str | None = None, instance: str | None = None, timeout
     env = os.environ
     if not (socket_path or instance or env.get("KVTIER_ADMIN_SOCKET") or env.get("KVTIER_INSTANCE")) \
             and env.get("KVTIER_ADMIN_URL"):
-        from kvtier.secrets import admin_token
+        from kvtier.persist.secrets import admin_token
 
         token = admin_token(env.get("KVTIER_ADMIN_TOKEN_FILE") or None)
         return AdminClient(timeout=timeout, url=env["KVTIER_ADMIN_URL"], token=token)
@@ -169,7 +169,7 @@ class AdminClient:
         target only ever holds a complete snapshot). Returns the finished job, its path the target's."""
         from pathlib import Path
 
-        from kvtier.snapshot import overwrite_refusal
+        from kvtier.persist.snapshot import overwrite_refusal
         from kvtier.tiers.records import fsync_dir
 
         target = Path(target).expanduser().absolute()

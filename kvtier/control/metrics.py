@@ -12,9 +12,9 @@ __all__ = ["metrics"]
 
 
 def _turn_metrics(counters: dict, family) -> list:
-    """Turns by reason (kvtier.reasons): every turn, the misses among them, and the prompt tokens
+    """Turns by reason (kvtier.plan.reasons): every turn, the misses among them, and the prompt tokens
     vLLM recomputed in them. Every reason is listed, at 0 until it happens."""
-    from kvtier.reasons import HIT_REASONS, REASONS
+    from kvtier.plan.reasons import HIT_REASONS, REASONS
 
     turns = family("kvtier_turns", "Admitted requests, by what kvtier found (kvtier inspect explains each)",
                    labels=["reason"])

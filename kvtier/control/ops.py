@@ -58,7 +58,7 @@ class Ops:
         self.wake = wake
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir else None
         if self.snapshot_dir is not None:  # what a killed snapshot writer left behind
-            from kvtier.snapshot import remove_stale_temp_files
+            from kvtier.persist.snapshot import remove_stale_temp_files
 
             remove_stale_temp_files(self.snapshot_dir)
         self.info = dict(info or {})
@@ -66,7 +66,7 @@ class Ops:
         self.jobs: dict[int, JobRecord] = {}
         self.busy: dict[str, int] = {}  # session -> job in flight
         self.latency: dict[str, list[float]] = {}  # job kind -> seconds (recent)
-        self.cost = cost  # a kvtier.costmodel.CostModel (the connector's), or None
+        self.cost = cost  # a kvtier.plan.costmodel.CostModel (the connector's), or None
         self.shared = shared  # the shared tier's scheduler side (plugins/vllm/shared.SharedLookups), or None
         self.held_fds: dict[int, int] = {}  # job -> a file a client handed over, open until the job ends
         self.hbm = hbm or (lambda: {"used_bytes": None, "blocks": None, "capacity_bytes": None})

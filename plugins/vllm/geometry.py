@@ -114,7 +114,7 @@ def fingerprint_from_vllm(vllm_config: Any, model_id: str | None = None) -> Mode
     model_id = str(model_id or model_config.model)
     from vllm.platforms import current_platform
 
-    from kvtier.weights import weights_identity
+    from kvtier.persist.weights import weights_identity
 
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     # fp8 KV is scaled per layer by scales that ship with the checkpoint (the weights identity covers

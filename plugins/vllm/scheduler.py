@@ -33,18 +33,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.codecs import resolve_codec
+from kvtier.codecs.recall import load_figures, recall_warning
 from kvtier.config import write_behind_seconds
 from kvtier.connector_config import ConnectorConfig
-from kvtier.decide import LoadCandidate, blocks_to_load, worth_keeping
-from kvtier.index import namespace_of, validate_session_id
 from kvtier.jobs import Job, JobKind, RankMerger
 from kvtier.layout import ModelFingerprint
-from kvtier.manager import TierManager
+from kvtier.plan.decide import LoadCandidate, blocks_to_load, worth_keeping
+from kvtier.plan.index import namespace_of, validate_session_id
+from kvtier.plan.manager import TierManager
 from kvtier.plugins.vllm import turns
 from kvtier.plugins.vllm.geometry import VllmBlockKeys
 from kvtier.plugins.vllm.timing import EngineClock, build_cost_model
-from kvtier.recall import load_figures, recall_warning
-from kvtier.tiers.nvme import scan_shards
+from kvtier.tiers.nvme.store import scan_shards
 
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "anonymous_session", "session_of"]
 
@@ -100,8 +100,8 @@ class RequestState:
     decision: str | None = None  # load | split | recompute, for the hit it had at admission
     skipped_blocks: int = 0  # blocks not stored because the prefix was below the break-even (counted once)
     lookup: tuple | None = None  # what the last lookup saw: (servable tokens, tokens held, LoadCandidate, decision)
-    facts: Any = None  # kvtier.reasons.TurnFacts of its turn (from its first admission)
-    turn: Any = None  # kvtier.reasons.TurnRecord: its entry in the session's turn log
+    facts: Any = None  # kvtier.plan.reasons.TurnFacts of its turn (from its first admission)
+    turn: Any = None  # kvtier.plan.reasons.TurnRecord: its entry in the session's turn log
     shared: Any = None  # its shared-store lookup / fetch (kvtier.plugins.vllm.shared.SharedLookups)
 
 
@@ -168,7 +168,7 @@ class KVTierScheduler:
         self._served_name = str(config.model_id or fingerprint.model_id.rpartition("@")[0])
         self._waking = threading.Lock()
         self.shared = None  # the shared tier's scheduler side: lookups, fetches, session entries
-        from kvtier.tiers.shared import SharedConfig
+        from kvtier.tiers.shared.store import SharedConfig
 
         shared_config = SharedConfig.from_connector(config)
         if shared_config is not None:
@@ -188,7 +188,7 @@ class KVTierScheduler:
         (without sessions surviving a restart) and says why in status."""
         if not nvme_dir:
             return None, None
-        from kvtier.catalog import Catalog, CatalogError
+        from kvtier.persist.catalog import Catalog, CatalogError
 
         try:
             return Catalog(nvme_dir, fingerprint), None
@@ -326,7 +326,7 @@ class KVTierScheduler:
         bs = self.block_tokens
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // bs)  # never the last token
         start = num_computed_tokens // bs
-        state.lookup = (usable * bs, None, None, None)  # for the turn's record (kvtier.reasons)
+        state.lookup = (usable * bs, None, None, None)  # for the turn's record (kvtier.plan.reasons)
         if start >= usable:
             return 0, False
         rows = self.manager.peek(state.namespace, request.block_hashes[:usable])

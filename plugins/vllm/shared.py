@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tiers.shared import SharedConfig, SharedStore, SharedUnavailable
+from kvtier.tiers.shared.store import SharedConfig, SharedStore, SharedUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.plugins.vllm.scheduler import KVTierScheduler, RequestState

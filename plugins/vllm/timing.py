@@ -9,7 +9,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvtier.costmodel import DEFAULT_RATES, CostModel, measure_rates, parse_link_caps
+from kvtier.plan.costmodel import DEFAULT_RATES, CostModel, measure_rates, parse_link_caps
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.connector_config import ConnectorConfig

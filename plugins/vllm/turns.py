@@ -1,4 +1,4 @@
-"""The scheduler half's record of every turn: the facts ``kvtier.reasons`` classifies, gathered
+"""The scheduler half's record of every turn: the facts ``kvtier.plan.reasons`` classifies, gathered
 where vLLM calls the connector.
 
 * ``get_num_new_matched_tokens`` notes what the lookup saw (``RequestState.lookup``);
@@ -20,8 +20,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.decide import worth_keeping
-from kvtier.reasons import TurnFacts, apply_facts
+from kvtier.plan.decide import worth_keeping
+from kvtier.plan.reasons import TurnFacts, apply_facts
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.jobs import Job, JobResult

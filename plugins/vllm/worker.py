@@ -35,10 +35,10 @@ from kvtier.config import write_behind_seconds
 from kvtier.connector_config import ConnectorConfig
 from kvtier.jobs import Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint, adapter_for
-from kvtier.mover import Mover
+from kvtier.move.mover import Mover
 from kvtier.plugins.vllm.geometry import layout_name
 from kvtier.tiers.dram import DramArena, SlotAllocator
-from kvtier.tiers.nvme import NvmeStore, shard_dir
+from kvtier.tiers.nvme.store import NvmeStore, shard_dir
 
 __all__ = ["KVTierWorker"]
 
@@ -70,11 +70,11 @@ class KVTierWorker:
         self.idle_waits = 0  # waits made on steps that ran no forward pass (see get_finished)
         self.mover: Mover | None = None
         self.nvme: NvmeStore | None = None
-        self.shared = None  # this rank's client of the shared store (kvtier.tiers.shared)
+        self.shared = None  # this rank's client of the shared store (kvtier.tiers.shared.store)
         self._results: list[JobResult] = []
         self._load_errors: set[int] = set()
         self._applied = None
-        from kvtier.costmodel import parse_link_caps
+        from kvtier.plan.costmodel import parse_link_caps
 
         self._caps = parse_link_caps(config.link_gbps)  # an emulated slow link (demos, benchmarks)
         self._stopping = threading.Event()
@@ -112,7 +112,7 @@ class KVTierWorker:
     def _shared_tier(self, geometry) -> dict:
         """The mover's shared-store arguments (none without ``shared`` in the config): this rank's
         own client, the publishing policy and the codec blocks travel in."""
-        from kvtier.tiers.shared import SharedConfig, SharedStore
+        from kvtier.tiers.shared.store import SharedConfig, SharedStore
 
         config = SharedConfig.from_connector(self.config)
         if config is None:

@@ -12,7 +12,7 @@ __all__ = ["run_vllm_load_latency"]
 def run_vllm_load_latency(seconds: float, progress: Callable[[str], None]) -> dict:
     from kvtier.bench.latency import EchoServer, latency_figures, latency_in_subprocess
     from kvtier.bench.vllm.harness import Engine, cpu_environment
-    from kvtier.demo_model import ensure_demo_model
+    from kvtier.models.demo import ensure_demo_model
 
     cpu_environment()
     model = str(ensure_demo_model("tiny", progress=progress))

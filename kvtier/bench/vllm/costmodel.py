@@ -40,7 +40,7 @@ def _predict_restore(cost, blocks: int, prompt_tokens: int) -> float:
 
 def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Callable[[str], None] = print) -> dict:
     from kvtier.bench.vllm.harness import Engine, cpu_environment
-    from kvtier.demo_model import ensure_demo_model
+    from kvtier.models.demo import ensure_demo_model
 
     cpu_environment()
     lengths = (1024, 2048, 4096) if quick else (2048, 8192, 16384)

@@ -23,8 +23,8 @@ __all__ = ["run_demo"]
 def run_demo(tokens: int = 8192, size: str = "tiny", workdir: str | None = None,
              say: Callable[[str], None] = print) -> dict:
     from kvtier.bench.vllm.served import Served
-    from kvtier.demo_model import ensure_demo_model
-    from kvtier.snapshot import verify_snapshot
+    from kvtier.models.demo import ensure_demo_model
+    from kvtier.persist.snapshot import verify_snapshot
 
     model = str(ensure_demo_model(size, progress=say))
     base = Path(workdir or tempfile.mkdtemp(prefix="kvtier-demo-"))

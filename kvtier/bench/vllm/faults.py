@@ -214,8 +214,8 @@ def _until(predicate: Callable[[], bool], timeout: float) -> float | None:
 def run_serving_faults(quick: bool = False, progress: Callable[[str], None] = print, model: str | None = None,
                        chaos_on: bool = True, disk_on: bool = True) -> dict:
     from kvtier.control.client import AdminClient
-    from kvtier.demo_model import ensure_demo_model
-    from kvtier.serve import admin_socket_path
+    from kvtier.launch.serve import admin_socket_path
+    from kvtier.models.demo import ensure_demo_model
 
     model = model or str(ensure_demo_model("tiny", progress=progress))
     script = _script(*((3, 2, 3) if quick else (4, 3, 4)))

@@ -36,7 +36,7 @@ def _session(admin, session_id: str) -> dict | None:
 
 def _blocks_in(shard: Path) -> int:
     """Blocks one rank's NVMe directory holds (read-only: the server's worker owns it)."""
-    from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.nvme.store import NvmeStore
 
     store = NvmeStore(shard, 1 << 40, io_threads=1, readonly=True)
     try:
@@ -131,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
         args.tp = 2 if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else 1
     if args.model is None:
-        from kvtier.demo_model import ensure_demo_model
+        from kvtier.models.demo import ensure_demo_model
 
         args.model = str(ensure_demo_model("tiny"))
-    from kvtier.gpucheck import report_out, say
+    from kvtier.diagnose.gpucheck import report_out, say
 
     with tempfile.TemporaryDirectory(prefix="kvtier-fullpath-") as tmp:
         report = full_path(args.model, Path(tmp), args.tp, progress=say("fullpath"))

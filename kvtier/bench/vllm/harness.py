@@ -22,7 +22,7 @@ def cpu_environment(tmp: str | None = None) -> None:
     tmp = tmp or tempfile.mkdtemp(prefix="kvtier-vllm-")
     defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": os.path.join(tmp, "cache"),
                 "VLLM_LOGGING_LEVEL": "WARNING"}
-    from kvtier.serve import is_cpu_only
+    from kvtier.launch.serve import is_cpu_only
 
     if is_cpu_only():
         defaults.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4")

@@ -1,6 +1,6 @@
 """Needle in a haystack through vLLM, per codec, on a model that has learned to retrieve.
 
-The model is ``kvtier.retrieval_model`` (a small Llama trained here on key-value retrieval). For
+The model is ``kvtier.models.retrieval`` (a small Llama trained here on key-value retrieval). For
 each context length, ``haystacks`` fresh haystacks (an evaluation seed stream the model was never
 trained on) each hold one record at every depth of ``DEPTHS``. One in-process vLLM engine with
 kvtier (warm tier uncompressed, an NVMe cold tier):
@@ -50,11 +50,11 @@ def run_model_needle(lengths: Sequence[int], haystacks: int, codecs: Sequence[st
 
     from kvtier.bench.vllm.harness import Engine, cpu_environment
     from kvtier.codecs import resolve_codec
-    from kvtier.index import Tier
+    from kvtier.codecs.recall import length_label
+    from kvtier.models.retrieval import EVAL_STREAM, ensure_retrieval_model, make_haystack, model_info
+    from kvtier.persist.snapshot import open_snapshot
+    from kvtier.plan.index import Tier
     from kvtier.plugins.vllm.scheduler import anonymous_session
-    from kvtier.recall import length_label
-    from kvtier.retrieval_model import EVAL_STREAM, ensure_retrieval_model, make_haystack, model_info
-    from kvtier.snapshot import open_snapshot
 
     cpu_environment()
     started = time.perf_counter()
@@ -117,7 +117,7 @@ def run_model_needle(lengths: Sequence[int], haystacks: int, codecs: Sequence[st
 def _wait_stored(engine, tokens: list[int], blocks: int, timeout_s: float = 120.0) -> None:
     """Step the engine until the haystack's ``blocks`` full blocks are in the index (stores finish
     a step or more after the request)."""
-    from kvtier.index import namespace_of
+    from kvtier.plan.index import namespace_of
 
     manager = engine.manager
     keys = manager.block_keys(tokens[: blocks * manager.geometry.block_tokens], None)

@@ -61,7 +61,7 @@ def _drop_all(engine) -> None:
 
 
 def _evict_all_to_nvme(engine) -> None:
-    from kvtier.index import Tier
+    from kvtier.plan.index import Tier
 
     for session in list(engine.manager.sessions):
         job = engine.manager.evict(session, Tier.NVME)
@@ -74,7 +74,7 @@ def _captured_blocks(nvme_dir: Path, fingerprint, limit: int = 16):
     """Raw (codec none) canonical blocks read back from the NVMe tier's files."""
     import torch
 
-    from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.nvme.store import NvmeStore
 
     geometry = fingerprint.geometry
     store = NvmeStore(nvme_dir, 1 << 40, io_threads=2, readonly=True)
@@ -94,7 +94,7 @@ def _captured_blocks(nvme_dir: Path, fingerprint, limit: int = 16):
 def run_vllm_quality(codecs, quick: bool = False, progress: Callable[[str], None] = print) -> dict:
     from kvtier.bench.vllm.harness import Engine, cpu_environment
     from kvtier.codecs import resolve_codec
-    from kvtier.demo_model import ensure_demo_model
+    from kvtier.models.demo import ensure_demo_model
 
     cpu_environment()
     model = str(ensure_demo_model("tiny", progress=progress))

@@ -118,9 +118,9 @@ def catalog_start_ms(sessions: int, directory: Path, blocks: int = 16, say: Call
     """Start-up read of a catalog of ``sessions`` sessions (``blocks`` keys and 16 tokens a block each),
     its file's page cache dropped first: the manager's constructor, as a restart runs it."""
     from kvtier.bench.tiers import drop_page_cache
-    from kvtier.catalog import Catalog, SessionRecord, encode_tokens
-    from kvtier.index import namespace_of
     from kvtier.layout import KVGeometry, ModelFingerprint
+    from kvtier.persist.catalog import Catalog, SessionRecord, encode_tokens
+    from kvtier.plan.index import namespace_of
 
     fingerprint = ModelFingerprint("bench-catalog", KVGeometry(32, 8, 128, 16, "bfloat16"), "w")
     ns = namespace_of(fingerprint.digest)
@@ -135,9 +135,9 @@ def catalog_start_ms(sessions: int, directory: Path, blocks: int = 16, say: Call
     # a restart is a new process: time it in one (this one's heap is full of the records just written)
     code = f"""
 import json, time
-from kvtier.catalog import Catalog
+from kvtier.persist.catalog import Catalog
 from kvtier.layout import ModelFingerprint
-from kvtier.manager import TierManager
+from kvtier.plan.manager import TierManager
 fingerprint = ModelFingerprint.from_dict({fingerprint.to_dict()!r})
 started = time.perf_counter()
 catalog = Catalog({str(directory)!r}, fingerprint)
@@ -171,7 +171,7 @@ def serving_overhead(model: str, base: Path, pairs: int, tokens: int, window: st
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvtier.bench.vllm.harness import Engine, cpu_environment
-    from kvtier.serve import is_cpu_only
+    from kvtier.launch.serve import is_cpu_only
 
     if is_cpu_only():  # as `kvtier serve` runs it: vLLM computes on all cores but one, kvtier's threads use that one
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
@@ -202,7 +202,7 @@ def serving_overhead(model: str, base: Path, pairs: int, tokens: int, window: st
 
 
 def run_restart_bench(quick: bool = False, progress: Callable[[str], None] = print, model: str | None = None) -> dict:
-    from kvtier.demo_model import ensure_demo_model
+    from kvtier.models.demo import ensure_demo_model
 
     model = str(model or ensure_demo_model("tiny", progress=progress))
     tokens, window = (2048, 3.0) if quick else (8192, 10.0)

@@ -112,7 +112,7 @@ def tp2_figures(quick: bool = False, progress: Callable[[str], None] = print) ->
     import urllib.request
 
     from kvtier.bench.vllm.served import Served
-    from kvtier.demo_model import ensure_demo_model
+    from kvtier.models.demo import ensure_demo_model
 
     model = str(ensure_demo_model("tiny", progress=lambda m: progress(m)))
     count, tokens = (2, 8000) if quick else (3, 16000)  # long enough that recompute is not the step floor
@@ -165,8 +165,8 @@ def tp2_figures(quick: bool = False, progress: Callable[[str], None] = print) ->
 
 def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print, tp2: bool = True) -> dict:
     from kvtier.bench.vllm.harness import Engine, cpu_environment
-    from kvtier.demo_model import ensure_demo_model
-    from kvtier.index import Tier
+    from kvtier.models.demo import ensure_demo_model
+    from kvtier.plan.index import Tier
 
     cpu_environment()
     sizes = {"4k": 4096, "16k": 4096 if quick else 16384}

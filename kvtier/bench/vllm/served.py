@@ -42,7 +42,7 @@ class Served:
                    "--dram", "1GiB", "--nvme-dir", str(nvme_dir or base / "nvme"), "--nvme", "8GiB",
                    "--write-behind", write_behind, *serve_args, "--", *served]
         else:  # plain vLLM with kvtier serve's environment (the same cores, threads and KV space)
-            from kvtier.serve import is_cpu_only, vllm_cpu_env
+            from kvtier.launch.serve import is_cpu_only, vllm_cpu_env
 
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                    "--port", str(self.port), *served]

@@ -152,7 +152,7 @@ def run_shared_bench(quick: bool = False, progress: Callable[[str], None] = prin
     from kvtier.bench.redisproc import RedisServer
     from kvtier.bench.shared import run_client_ratios, run_foreign_values
     from kvtier.bench.vllm.harness import cpu_environment
-    from kvtier.demo_model import ensure_demo_model
+    from kvtier.models.demo import ensure_demo_model
 
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-shared-") as tmp:
