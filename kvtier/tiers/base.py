@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
-__all__ = ["BlockStore"]
+__all__ = ["BlockStore", "DiskStore"]
 
 
 @runtime_checkable
@@ -27,3 +27,25 @@ class BlockStore(Protocol):
 
     def delete_many(self, names: Iterable[tuple[bytes, bytes]]) -> int:
         """Forget blocks; returns how many were there."""
+
+
+@runtime_checkable
+class DiskStore(BlockStore, Protocol):
+    """A ``BlockStore`` on a local filesystem (the NVMe tier): what the mover also needs from a disk.
+
+    The shared tier is a plain ``BlockStore``; the mover asks only a ``DiskStore`` these."""
+
+    recreated: int  # times the directory vanished and was made again (what it held is gone)
+
+    def has(self, namespace: bytes, key: bytes) -> bool:
+        """Whether the block is stored (no IO)."""
+
+    def size_of(self, namespace: bytes, key: bytes) -> int | None:
+        """Payload bytes of a stored block, None when it is not stored (no IO)."""
+
+    def read_into(self, namespace: bytes, key: bytes, dst: Any, fingerprint: bytes) -> tuple[int, str]:
+        """Read and verify one block into ``dst``; ``(nbytes, codec)``, or raises what ``read_batch``
+        would report for it."""
+
+    def free_bytes(self) -> int | None:
+        """Bytes the filesystem under the tier has free (None if it cannot say)."""

@@ -1,0 +1,1 @@
+"""Test support: fakes and harnesses the tests share (a fake clock, the served-engine harness)."""
