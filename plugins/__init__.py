@@ -1,0 +1,1 @@
+"""Integrations installed under ``kvtier.plugins``: today the vLLM KV connector (``vllm``)."""
