@@ -2,6 +2,7 @@
 reports. Oracles here are written out scalar by scalar, not with the model's vectorised code."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvtier.errors import UsageError
@@ -52,13 +53,23 @@ def test_prefill_fit_recovers_the_terms():
     assert fitted.seconds(16384, 2048) == pytest.approx(truth(16384, 2048), rel=1e-3)
 
 
-def test_prefill_fit_needs_distinct_shapes_and_ignores_noise_sign():
+def test_prefill_fit_needs_distinct_shapes_and_clamps_a_negative_term():
     assert PrefillModel.fit([(0, 512, 0.1)] * 10) is None
-    noisy = [(s, n, truth(s, n) * (1.1 if i % 2 else 0.9)) for i, (s, n) in
-             enumerate((s, n) for s in (0, 1024, 8192) for n in (128, 1024))]
-    fitted = PrefillModel.fit(noisy)
-    assert fitted.per_token_s >= 0 and fitted.attention_s >= 0 and fitted.overhead_s >= 0
-    assert fitted.seconds(8192, 1024) == pytest.approx(truth(8192, 1024), rel=0.15)
+
+    def no_overhead(s: int, n: int) -> float:
+        return 50e-6 * n + 2e-9 * (n * s + n * n / 2)
+
+    # short steps measured fast, long ones slow: plain least squares answers a negative fixed cost
+    points = [(s, n, no_overhead(s, n) * (0.9 if n == 128 else 1.1)) for s in (0, 1024, 8192) for n in (128, 1024)]
+    start, tokens, seconds = np.asarray(points, dtype=np.float64).T
+    design = np.stack([np.ones_like(tokens), tokens, tokens * start + tokens * tokens / 2], axis=1)
+    plain = np.linalg.lstsq(design / seconds[:, None], np.ones_like(seconds), rcond=None)[0]
+    assert plain[0] < 0  # the case under test
+    fitted = PrefillModel.fit(points)
+    assert fitted.overhead_s == 0.0  # clamped, and the other terms refitted without it
+    assert fitted.per_token_s == pytest.approx(50e-6, rel=0.1)
+    assert fitted.attention_s == pytest.approx(2e-9, rel=0.1)
+    assert fitted.seconds(8192, 1024) == pytest.approx(no_overhead(8192, 1024), rel=0.15)
 
 
 def test_the_model_learns_from_observed_steps():
@@ -295,33 +306,41 @@ def test_equal_sized_steps_fold_the_overhead_into_the_per_token_cost():
     assert fitted.seconds(4096, 512) == pytest.approx(slow(4096, 512), rel=0.15)
 
 
-def test_rate_refresh_waits_for_a_quiet_engine_but_not_forever():
+def test_rate_refresh_waits_for_a_quiet_engine_but_not_forever(monkeypatch):
     """The link re-measurement waits until the engine has been idle for quiet_s; if it never is,
-    it gives up after patience_s (False), and shutting down ends the wait (None)."""
-    import threading
-    import time
+    it gives up after patience_s (False), and shutting down ends the wait (None). On a fake clock:
+    waiting on ``stopping`` moves it on."""
+    import types
 
-    from kvtier.plugins.vllm.timing import wait_until_quiet
+    from support.clock import FakeClock
 
-    stopping = threading.Event()
-    last = [time.monotonic()]
-    busy = threading.Event()
+    from kvtier.plugins.vllm import timing
 
-    def engine():  # steps every 20 ms until told to stop, then goes quiet
-        while not busy.is_set():
-            last[0] = time.monotonic()
-            time.sleep(0.02)
+    clock = FakeClock()
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(monotonic=clock))
 
-    worker = threading.Thread(target=engine)
-    worker.start()
-    t0 = time.monotonic()
-    assert wait_until_quiet(lambda: time.monotonic() - last[0], stopping, quiet_s=0.2, patience_s=0.5) is False
-    assert time.monotonic() - t0 >= 0.5  # it did wait its patience out
-    threading.Timer(0.3, busy.set).start()  # the engine goes quiet after 0.3 s
-    t0 = time.monotonic()
-    assert wait_until_quiet(lambda: time.monotonic() - last[0], stopping, quiet_s=0.2, patience_s=5.0) is True
-    waited = time.monotonic() - t0
-    assert waited >= 0.2 + 0.2  # not before the engine went quiet and stayed so for quiet_s
-    worker.join()
-    threading.Timer(0.1, stopping.set).start()
-    assert wait_until_quiet(lambda: 0.0, stopping, quiet_s=0.2, patience_s=5.0) is None
+    class Stopping:  # threading.Event.wait on the fake clock; set at ``stop_at``
+        def __init__(self, stop_at: float = float("inf")):
+            self.stop_at = stop_at
+
+        def wait(self, timeout: float) -> bool:
+            if clock() + timeout >= self.stop_at:
+                clock.now = max(clock.now, self.stop_at)
+                return True
+            clock.advance(timeout)
+            return False
+
+    quiet_from = [float("inf")]  # the engine steps every 20 ms until then
+
+    def idle_for() -> float:
+        return 0.01 if clock() < quiet_from[0] else clock() - quiet_from[0]
+
+    t0 = clock()
+    assert timing.wait_until_quiet(idle_for, Stopping(), quiet_s=0.2, patience_s=0.5) is False
+    assert clock() - t0 >= 0.5  # it did wait its patience out
+    t0 = clock()
+    quiet_from[0] = t0 + 0.3  # the engine goes quiet after 0.3 s
+    assert timing.wait_until_quiet(idle_for, Stopping(), quiet_s=0.2, patience_s=5.0) is True
+    waited = clock() - t0
+    assert 0.5 - 1e-9 <= waited < 0.6  # once the engine went quiet and stayed so for quiet_s, not later
+    assert timing.wait_until_quiet(lambda: 0.0, Stopping(clock() + 0.1), quiet_s=0.2, patience_s=5.0) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shlex
 import signal
 import socket
@@ -284,7 +285,9 @@ def test_port_in_use_is_refused(env, model_dir):
 FAKE_SERVER = textwrap.dedent("""
     import http.server, os, signal, subprocess, sys, time
     port, pid_file, ignore_term = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # an 'engine core'
+    alive = os.open(sys.argv[4], os.O_WRONLY)  # the test reads EOF once this process and its worker are gone
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],  # an 'engine core'
+                              pass_fds=(alive,))
     with open(pid_file, "w") as fh:
         fh.write(f"{os.getpid()} {worker.pid}")
     if ignore_term:
@@ -309,8 +312,8 @@ FAKE_SERVER = textwrap.dedent("""
 KVTIER = textwrap.dedent("""
     import os, sys, time
     from kvtier.launch.serve import run_server
-    fake, port, pid_file, ignore_term = sys.argv[1:5]
-    cmd = [sys.executable, fake, port, pid_file, ignore_term]
+    fake, port, pid_file, ignore_term, alive = sys.argv[1:6]
+    cmd = [sys.executable, fake, port, pid_file, ignore_term, alive]
     say = lambda msg: print(msg, flush=True)
 
     def flush():  # stands in for kvtier's flush through the admin API: vLLM must still be up
@@ -327,22 +330,17 @@ KVTIER = textwrap.dedent("""
 """)
 
 
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie waiting for init
-    except FileNotFoundError:
-        return True
-
-
 def run_fake(tmp_path, ignore_term: bool, env: dict | None = None):
     (tmp_path / "fake.py").write_text(FAKE_SERVER)
     (tmp_path / "kvtier_serve.py").write_text(KVTIER)
     pid_file = tmp_path / "pids"
+    alive = tmp_path / "alive"  # a FIFO the fake server and its worker hold open for writing
+    os.mkfifo(alive)
+    reader = os.open(alive, os.O_RDONLY | os.O_NONBLOCK)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, str(tmp_path / "kvtier_serve.py"), str(tmp_path / "fake.py"), str(port),
-         str(pid_file), "1" if ignore_term else "0"],
+         str(pid_file), "1" if ignore_term else "0", str(alive)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
     lines = []
     try:
@@ -363,10 +361,12 @@ def run_fake(tmp_path, ignore_term: bool, env: dict | None = None):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not (gone(server_pid) and gone(worker_pid)):
-        time.sleep(0.05)
-    assert gone(server_pid) and gone(worker_pid), lines
+    try:
+        # EOF once no process holds the FIFO's write end: the server and its worker have both exited
+        readable, _, _ = select.select([reader], [], [], 5)
+        assert readable and os.read(reader, 1) == b"", (server_pid, worker_pid, lines)
+    finally:
+        os.close(reader)
     return proc.returncode, lines
 
 

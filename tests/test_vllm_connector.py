@@ -374,10 +374,18 @@ def test_cost_model_learns_while_serving_and_stops_storing_what_never_pays(tiny_
     """In a live engine: prefill steps fit the model, DRAM loads are timed into it, the links are
     re-measured in the background, and once the host link is measured as crawling (so no prefix
     would load faster than it recomputes) new prompts are served but not stored."""
-    import time
+    import threading
 
     llm = make_llm(str(tiny_model), max_batched=256, extra_config={"rates_refresh_s": 0.2})
     scheduler = scheduler_connector(llm)._scheduler
+    refreshed, count = threading.Event(), scheduler.clock.count
+
+    def counting(name: str) -> None:  # the engine clock's counter, which also tells us of a refresh
+        count(name)
+        if name == "rate_refreshes":
+            refreshed.set()
+
+    scheduler.clock.count = counting
     for s, n in enumerate((300, 700, 1000, 520, 900)):  # chunked prefill: many step shapes
         run(llm, prompt_of(20 + s, n))
     assert scheduler.cost.prefill is not None  # fitted from the engine's own steps
@@ -385,12 +393,12 @@ def test_cost_model_learns_while_serving_and_stops_storing_what_never_pays(tiny_
     llm.reset_prefix_cache()
     run(llm, history)  # loads from DRAM: the mover's timing reaches the model
     assert scheduler.cost._loads and scheduler.cost._loads[-1][0] == 2 * scheduler.cost.dram_block_bytes
-    deadline = time.monotonic() + 10
-    while scheduler.manager.counters["rate_refreshes"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert scheduler.manager.counters["rate_refreshes"] >= 1 or refreshed.wait(10)
     assert scheduler.manager.counters["rate_refreshes"] >= 1
     scheduler._stopping.set()  # no more refreshes: the next one would undo the crawling link below
-    time.sleep(0.3)
+    for thread in [t for t in threading.enumerate() if t.name == "kvtier-rates"]:
+        thread.join(timeout=30)  # one measuring now ends first (one engine at a time: the thread is ours)
+        assert not thread.is_alive()
     scheduler.cost.refresh_rates(scheduler.cost.rates.capped({"pcie": 1e-6}))  # 1 KB/s
     assert scheduler.cost.break_even_tokens(from_nvme=False) is None
     stored = scheduler.manager.counters["stored_blocks"]

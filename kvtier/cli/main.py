@@ -132,34 +132,79 @@ def serve(
 
     Example: kvtier serve ./models/llama --dram 16GiB --nvme-dir /mnt/nvme/kvtier -- --max-model-len 16384
     """
-    import shlex
-
-    from kvtier.config import load_settings
-    from kvtier.errors import UsageError
     from kvtier.launch import serve as srv
 
-    extra = list(ctx.args)
+    flags = {key: value for key, value in locals().items() if key in _SETTINGS_FLAGS}
+    model, extra = _model_and_vllm_args(model, ctx.args, demo_size)
+    settings, name = _instance_settings(flags, instance, port)
+    sock = os.path.abspath(os.path.expanduser(admin_socket)) if admin_socket else srv.admin_socket_path(instance=name)
+    token = _admin_tcp_token(admin_tcp, admin_token_file)
+    checks = {"host": host, "port": port, "create_dirs": not dry_run, "kv_cache_dtype": kv_cache_dtype,
+              "admin_socket": sock, "instance": name}
+    source = _checked_model(model, revision, settings, extra, checks)
+    plan = srv.launch_plan(source.arg if source else _demo_model_path(demo_size, dry_run), settings, host, port,
+                           kv_cache_dtype, extra, admin_socket=sock, token=token, revision=revision, instance=name,
+                           admin_tcp=admin_tcp.replace("[::1]", "::1") if admin_tcp else None,
+                           commit=source.commit if source else None)
+    if dry_run:
+        return _print_dry_run(plan)
+    raise typer.Exit(_run_instance(plan, revision=(source.commit or revision) if source else None,
+                                   admin_tcp=admin_tcp))
+
+
+# the serve options that are settings (flag > KVTIER_* env > kvtier.toml > defaults)
+_SETTINGS_FLAGS = ("dram", "nvme_dir", "nvme", "policy", "warm_codec", "cold_codec", "link_gbps", "write_behind",
+                   "stop_timeout", "shared", "shared_policy", "shared_codec", "shared_ttl", "shared_auth_file",
+                   "shared_ca_file")
+
+
+def _model_and_vllm_args(model: Optional[str], args: list[str], demo_size: str) -> tuple[Optional[str], list[str]]:
+    """MODEL (None: the demo model) and vLLM's own arguments (those after `--`)."""
+    from kvtier.errors import UsageError
+    from kvtier.launch.serve import DEMO_SIZES
+
+    extra = list(args)
     if model is not None and model.startswith("-"):  # `kvtier serve -- --flag ...` with no MODEL
         extra.insert(0, model)
         model = None
-    if demo_size not in srv.DEMO_SIZES:
-        raise UsageError(f"unknown --demo-size {demo_size!r}", hint=f"choose one of: {', '.join(srv.DEMO_SIZES)}")
-    settings, _sources = load_settings(flags={"dram": dram, "nvme_dir": nvme_dir, "nvme": nvme, "policy": policy,
-                                              "warm_codec": warm_codec, "cold_codec": cold_codec,
-                                              "link_gbps": link_gbps, "write_behind": write_behind,
-                                              "stop_timeout": stop_timeout, "shared": shared,
-                                              "shared_policy": shared_policy, "shared_codec": shared_codec,
-                                              "shared_ttl": shared_ttl, "shared_auth_file": shared_auth_file,
-                                              "shared_ca_file": shared_ca_file})
+    if demo_size not in DEMO_SIZES:
+        raise UsageError(f"unknown --demo-size {demo_size!r}", hint=f"choose one of: {', '.join(DEMO_SIZES)}")
+    return model, extra
+
+
+def _instance_settings(flags: dict, instance: Optional[str], port: int):
+    """The settings of this instance (a named one keeps its cold tier in NVME_DIR/instances/NAME) and its name."""
     from dataclasses import replace
 
-    from kvtier.control.instances import Instance, Registration, valid_name
+    from kvtier.config import load_settings
+    from kvtier.control.instances import valid_name
+    from kvtier.launch.serve import instance_store_dir
 
+    settings, _sources = load_settings(flags=flags)
     name = valid_name(instance) if instance is not None else str(port)
     if instance is not None:
-        settings = replace(settings, nvme_dir=srv.instance_store_dir(settings.nvme_dir, name))
-    sock = os.path.abspath(os.path.expanduser(admin_socket)) if admin_socket else srv.admin_socket_path(instance=name)
-    token = None
+        settings = replace(settings, nvme_dir=instance_store_dir(settings.nvme_dir, name))
+    return settings, name
+
+
+def _checked_model(model: Optional[str], revision: Optional[str], settings, extra: list[str], checks: dict):
+    """Refuse, before vLLM spends ~20 s starting, what would fail later (``preflight``, printing its
+    warnings); then MODEL resolved (a directory or a hub id in the local cache), None for the demo model."""
+    from kvtier.errors import UsageError
+    from kvtier.launch import serve as srv
+
+    if revision is not None and model is None:
+        raise UsageError("--revision needs a hub MODEL",
+                         hint="e.g. kvtier serve Qwen/Qwen2.5-0.5B-Instruct --revision main")
+    for warning in srv.preflight(settings, None, extra_args=extra, **checks):
+        typer.echo(f"warning: {warning}", err=True)
+    return srv.resolve_model(model, revision, extra) if model is not None else None
+
+
+def _admin_tcp_token(admin_tcp: Optional[str], admin_token_file: Optional[str]) -> Optional[str]:
+    """The admin TCP bearer token (None without --admin-tcp); refuses a non-loopback address."""
+    from kvtier.errors import UsageError
+
     if admin_tcp:
         host_part, _, port_part = admin_tcp.rpartition(":")
         if host_part not in ("127.0.0.1", "::1", "[::1]", "localhost") or not port_part.isdigit():
@@ -167,59 +212,58 @@ def serve(
                              hint="e.g. --admin-tcp 127.0.0.1:8100 (the admin API never listens beyond this box)")
         from kvtier.persist.secrets import admin_token
 
-        token = admin_token(admin_token_file)
-    elif admin_token_file:
+        return admin_token(admin_token_file)
+    if admin_token_file:
         raise UsageError("--admin-token-file needs --admin-tcp", hint="add --admin-tcp 127.0.0.1:PORT")
-    if revision is not None and model is None:
-        raise UsageError("--revision needs a hub MODEL",
-                         hint="e.g. kvtier serve Qwen/Qwen2.5-0.5B-Instruct --revision main")
-    for warning in srv.preflight(settings, None, host=host, port=port, create_dirs=not dry_run, extra_args=extra,
-                                 kv_cache_dtype=kv_cache_dtype, admin_socket=sock, instance=name):
-        typer.echo(f"warning: {warning}", err=True)
-    source = srv.resolve_model(model, revision, extra) if model is not None else None
+    return None
 
-    if source is None:
-        typer.echo(srv.DEMO_BANNER, err=True)
-        try:
-            from kvtier.models.demo import demo_model_dir, ensure_demo_model
-        except ImportError:
-            raise UsageError("the demo model is not available in this install", hint=srv.NO_MODEL_HINT) from None
-        if dry_run:  # where it is (or would be built): a dry run builds nothing
-            model_path = str(demo_model_dir(demo_size))
-        else:
-            model_path = str(ensure_demo_model(demo_size, progress=lambda msg: typer.echo(f"… {msg}", err=True)))
-    else:
-        model_path = source.arg
-    cmd, env = srv.vllm_command(model_path, settings, host, port, kv_cache_dtype, extra, admin_socket=sock,
-                                admin_tcp=admin_tcp.replace("[::1]", "::1") if admin_tcp else None, token=token,
-                                revision=revision, instance=name, commit=source.commit if source else None)
-    url = srv.api_url(host, port)
 
+def _demo_model_path(demo_size: str, dry_run: bool) -> str:
+    """The demo model's directory, built unless this is a dry run (which builds nothing)."""
+    from kvtier.errors import UsageError
+    from kvtier.launch.serve import DEMO_BANNER, NO_MODEL_HINT
+
+    typer.echo(DEMO_BANNER, err=True)
+    try:
+        from kvtier.models.demo import demo_model_dir, ensure_demo_model
+    except ImportError:
+        raise UsageError("the demo model is not available in this install", hint=NO_MODEL_HINT) from None
     if dry_run:
-        added = {key: value for key, value in env.items()
-                 if key.startswith("VLLM_") and os.environ.get(key) != value}
-        typer.echo("vLLM command:")
-        typer.echo("  " + " ".join(f"{key}={shlex.quote(value)}" for key, value in added.items())
-                   + (" " if added else "") + shlex.join(cmd))
-        typer.echo("kv-transfer-config:")
-        typer.echo(json.dumps(json.loads(cmd[cmd.index("--kv-transfer-config") + 1]), indent=2))
-        typer.echo(f"API would be at {url}, instance {name}, admin socket {sock}")
-        return
+        return str(demo_model_dir(demo_size))
+    return str(ensure_demo_model(demo_size, progress=lambda msg: typer.echo(f"… {msg}", err=True)))
+
+
+def _print_dry_run(plan) -> None:
+    """The vLLM command (with the VLLM_* variables kvtier adds), its connector config, where it would listen."""
+    import shlex
+
+    added = {key: value for key, value in plan.env.items() if key.startswith("VLLM_") and os.environ.get(key) != value}
+    typer.echo("vLLM command:")
+    typer.echo("  " + " ".join(f"{key}={shlex.quote(value)}" for key, value in added.items())
+               + (" " if added else "") + shlex.join(plan.argv))
+    typer.echo("kv-transfer-config:")
+    typer.echo(json.dumps(plan.kv_transfer_config, indent=2))
+    typer.echo(f"API would be at {plan.url}, instance {plan.instance}, admin socket {plan.admin_socket}")
+
+
+def _run_instance(plan, revision: Optional[str], admin_tcp: Optional[str]) -> int:
+    """Run the planned server, registered as an instance of this box while it runs; its exit status."""
+    from kvtier.control.instances import Instance, Registration
+    from kvtier.launch import serve as srv
 
     def say(msg: str) -> None:
         typer.echo(f"kvtier: {msg}")
 
-    served_as = cmd[cmd.index("--served-model-name") + 1] if "--served-model-name" in cmd else model_path
-    record = Instance(name=name, pid=os.getpid(), port=port, host=host, api_url=url, admin_socket=sock,
-                      model=served_as, revision=(source.commit or revision) if source else None,
-                      admin_tcp=admin_tcp, nvme_dir=str(settings.nvme_dir), nvme_bytes=int(settings.nvme_bytes),
-                      dram_bytes=int(settings.dram_bytes), gpus=srv.visible_gpus(env))
+    settings = plan.settings
+    record = Instance(name=plan.instance, pid=os.getpid(), port=plan.port, host=plan.host, api_url=plan.url,
+                      admin_socket=plan.admin_socket, model=plan.served_model, revision=revision, admin_tcp=admin_tcp,
+                      nvme_dir=str(settings.nvme_dir), nvme_bytes=int(settings.nvme_bytes),
+                      dram_bytes=int(settings.dram_bytes), gpus=srv.visible_gpus(plan.env))
     with Registration(record):
-        say(f"instance {name} (`kvtier sessions --instance {name}` reaches it when several run)")
-        code = srv.run_server(cmd, env, url, sock, say=say,
-                              before_stop=lambda: srv.flush_before_stop(sock, settings.stop_timeout, say),
+        say(f"instance {plan.instance} (`kvtier sessions --instance {plan.instance}` reaches it when several run)")
+        return srv.run_server(plan.argv, plan.env, plan.url, plan.admin_socket, say=say,
+                              before_stop=lambda: srv.flush_before_stop(plan.admin_socket, settings.stop_timeout, say),
                               stop_timeout_s=settings.stop_timeout)
-    raise typer.Exit(code)
 
 
 @app.command("demo")

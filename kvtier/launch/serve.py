@@ -6,9 +6,11 @@ The pieces, each usable on its own:
 * :func:`preflight` -- refuses, *before* vLLM spends ~20 s starting, what would fail later: a
   missing model directory, an NVMe dir that cannot be written or lives in RAM (tmpfs), budgets
   above the machine's free RAM or disk, a port already taken.  Returns warnings (not errors).
-* :func:`vllm_command` -- the child's argv and environment (CPU builds get ``VLLM_TARGET_DEVICE``).
-* :func:`run_server` -- runs the child in its own process group, prints the URLs and "ready",
-  forwards SIGINT/SIGTERM as SIGTERM, SIGKILLs the group after a grace period, leaves nothing behind.
+* :func:`launch_plan` -- a :class:`LaunchPlan`: the child's argv and environment (CPU builds get
+  ``VLLM_TARGET_DEVICE``) and what the CLI shows and registers; :func:`vllm_command` is its argv and env.
+* :func:`run_server` (``kvtier.launch.supervisor``) -- runs the child in its own process group, prints
+  the URLs and "ready", forwards SIGINT/SIGTERM as SIGTERM, SIGKILLs the group after a grace period,
+  leaves nothing behind.
 
 Stdlib + psutil only at module level: importing this never pulls in torch or vLLM.
 """
@@ -17,14 +19,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import threading
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import Settings
@@ -44,6 +42,7 @@ from kvtier.launch.preflight import (  # noqa: F401 - kvtier serve's checks, imp
     preflight,
     resolve_model,
 )
+from kvtier.launch.supervisor import GRACE_S, run_server  # noqa: F401 - run_server: kvtier serve's, from here
 from kvtier.persist.secrets import ADMIN_TOKEN_ENV
 from kvtier.units import human_bytes
 
@@ -53,11 +52,13 @@ __all__ = [
     "DEMO_BANNER",
     "DEMO_SIZES",
     "RAM_FILESYSTEMS",
+    "LaunchPlan",
     "admin_socket_path",
     "api_url",
     "build_kv_transfer_config",
     "filesystem_type",
     "is_cpu_only",
+    "launch_plan",
     "model_id_for",
     "preflight",
     "run_server",
@@ -69,7 +70,6 @@ CONNECTOR_MODULE = "kvtier.plugins.vllm.connector"
 DEMO_SIZES = ("tiny", "mid")
 DEMO_BANNER = ("no model given: serving kvtier's built-in DEMO model "
                "(random weights, for trying kvtier; its text is gibberish)")
-GRACE_S = 30.0
 # vLLM flags kvtier sets itself: passing them after `--` would silently fight kvtier's own.
 _OWNED_FLAGS = {"--model": "MODEL", "--host": "--host", "--port": "--port",
                 "--kv-transfer-config": "--dram/--nvme/--nvme-dir/--policy",
@@ -158,7 +158,25 @@ def is_cpu_only() -> bool:
     return shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl")
 
 
-def vllm_command(
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One vLLM server as ``kvtier serve`` starts it: the child's argv and environment, and what the
+    CLI shows and registers about it (read from here, never parsed back out of the argv)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    model_path: str  # what --model gets: a directory or a hub id
+    served_model: str  # the name clients use (--served-model-name); KV blocks are filed under it
+    host: str
+    port: int
+    url: str  # the OpenAI API, http://HOST:PORT/v1
+    instance: str
+    admin_socket: str
+    kv_transfer_config: dict  # the --kv-transfer-config object
+    settings: Settings
+
+
+def launch_plan(
     model_path: str,
     settings: Settings,
     host: str,
@@ -174,10 +192,11 @@ def vllm_command(
     revision: str | None = None,
     instance: str | None = None,
     commit: str | None = None,
-) -> tuple[list[str], dict[str, str]]:
-    """argv and environment for vLLM's OpenAI server with kvtier's connector.
+) -> LaunchPlan:
+    """The plan of vLLM's OpenAI server with kvtier's connector.
 
     The environment is ``base_env`` (default ``os.environ``) plus, on CPU, ``vllm_cpu_env``'s.
+    ``commit``: a hub id resolved in the local cache, the snapshot it will load.
     """
     extra = list(extra_args)
     for arg in extra:
@@ -185,10 +204,12 @@ def vllm_command(
         if flag in _OWNED_FLAGS:
             raise UsageError(f"{flag} is set by kvtier serve; do not pass it after `--`",
                              hint=f"use kvtier's own {_OWNED_FLAGS[flag]} instead")
-    # commit: a hub id resolved in the local cache, the snapshot it will load
-    config = build_kv_transfer_config(settings, model_id_for(model_path, extra), api_url(host, port),
-                                      admin_socket or admin_socket_path(base_env, instance or str(port)), admin_tcp,
-                                      instance=instance or str(port), revision=revision, commit=commit)
+    name = instance or str(port)
+    url = api_url(host, port)
+    sock = admin_socket or admin_socket_path(base_env, name)
+    config = build_kv_transfer_config(settings, model_id_for(model_path, extra), url, sock, admin_tcp,
+                                      instance=name, revision=revision, commit=commit)
+    served = config["kv_connector_extra_config"]["model_id"]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_path), "--host", host, "--port", str(port),
            "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
@@ -197,15 +218,22 @@ def vllm_command(
     if kv_cache_dtype:
         cmd += ["--kv-cache-dtype", kv_cache_dtype]
     if not any(arg.split("=", 1)[0] == "--served-model-name" for arg in extra):
-        # clients name the model by its short id, not by a cache path
-        cmd += ["--served-model-name", config["kv_connector_extra_config"]["model_id"]]
+        cmd += ["--served-model-name", served]  # clients name the model by its short id, not by a cache path
     cmd += extra
     env = dict(os.environ if base_env is None else base_env)
     if token:
         env[ADMIN_TOKEN_ENV] = token  # the engine's environment, not its argv
     if is_cpu_only() if cpu is None else cpu:
         env = vllm_cpu_env(env, extra)
-    return cmd, env
+    return LaunchPlan(argv=cmd, env=env, model_path=str(model_path), served_model=served, host=host, port=port,
+                      url=url, instance=name, admin_socket=sock, kv_transfer_config=config, settings=settings)
+
+
+def vllm_command(model_path: str, settings: Settings, host: str, port: int, kv_cache_dtype: str | None,
+                 extra_args: Sequence[str], **options) -> tuple[list[str], dict[str, str]]:
+    """argv and environment for vLLM's OpenAI server with kvtier's connector (:func:`launch_plan`'s)."""
+    plan = launch_plan(model_path, settings, host, port, kv_cache_dtype, extra_args, **options)
+    return plan.argv, plan.env
 
 
 def vllm_cpu_env(user: Mapping[str, str], vllm_args: Sequence[str], connector: bool = True) -> dict[str, str]:
@@ -264,147 +292,6 @@ def tensor_parallel_size(args: Sequence[str]) -> int:
 
 
 # ---- running it ------------------------------------------------------------------------------
-def _health_url(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or "127.0.0.1"
-    if host in ("0.0.0.0", ""):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
-    netloc = f"[{host}]" if ":" in host else host
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urllib.parse.urlunsplit((parts.scheme or "http", netloc, "/health", "", ""))
-
-
-def _wait_ready(health: str, child: subprocess.Popen, stop: threading.Event, on_ready: Callable[[], None],
-                poll_s: float) -> None:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an HTTP proxy
-    while not stop.is_set() and child.poll() is None:
-        try:
-            with opener.open(health, timeout=2) as response:
-                if response.status == 200:
-                    if not stop.is_set():
-                        on_ready()
-                    return
-        except Exception:  # noqa: BLE001, S110 - not up yet (refused, reset, 503 while loading...)
-            pass
-        stop.wait(poll_s)
-
-
-def _exit_status(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _kill_group(pgid: int, sig: int) -> bool:
-    if pgid <= 1:  # 0 would be our own group
-        return False
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def run_server(
-    cmd: Sequence[str],
-    env: Mapping[str, str] | None,
-    url: str,
-    admin_socket_hint: str,
-    *,
-    say: Say = print,
-    grace_s: float = GRACE_S,
-    poll_s: float = 0.5,
-    before_stop: Callable[[], None] | None = None,
-    stop_timeout_s: float = 60.0,
-) -> int:
-    """Run ``cmd`` (vLLM's server) in its own process group until it exits or we are signalled.
-
-    Prints the API URL, the admin socket and, once ``GET /health`` answers, "ready".  SIGINT/SIGTERM
-    are forwarded to the child's group as SIGTERM (a second one SIGKILLs at once); a group still
-    alive ``grace_s`` after the first signal is SIGKILLed.  Returns the child's exit status: 0 on a
-    clean shutdown after a signal, 128+N when it died of signal N.  Must be called from the main
-    thread (it installs signal handlers, restored on return).
-
-    ``before_stop`` (kvtier's flush of dirty KV through the admin API) runs on the first signal,
-    before vLLM is told to stop, for at most ``stop_timeout_s`` seconds; a second signal skips it.
-    """
-    signalled = threading.Event()
-    stop_polling = threading.Event()
-    deadline: list[float] = []
-    say(f"API: {url}")
-    say(f"admin socket: {admin_socket_hint} (kvtier status / sessions / top find it without flags)")
-    previous: dict[int, object] = {}
-    child: subprocess.Popen | None = None
-    pgid = 0
-
-    def forward(signum, _frame) -> None:
-        if signalled.is_set():  # second Ctrl-C: no more waiting
-            if pgid:
-                _kill_group(pgid, signal.SIGKILL)
-            return
-        signalled.set()
-        if before_stop is None:
-            stop_child()
-
-    def stop_child() -> None:
-        deadline.append(time.monotonic() + grace_s)
-        if pgid:
-            _kill_group(pgid, signal.SIGTERM)
-
-    poller = None
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, forward)
-        child = subprocess.Popen(list(cmd), env=None if env is None else dict(env), start_new_session=True)
-        pgid = child.pid  # start_new_session: the child leads a new session and process group
-        if signalled.is_set() and before_stop is None:  # signalled while it was starting
-            _kill_group(pgid, signal.SIGTERM)
-        poller = threading.Thread(
-            target=_wait_ready, name="kvtier-serve-ready", daemon=True,
-            args=(_health_url(url), child, stop_polling, lambda: say(f"ready: {url}"), poll_s))
-        poller.start()
-        killed = False
-        flusher: threading.Thread | None = None
-        flush_until = 0.0
-        while True:
-            try:
-                returncode = child.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if signalled.is_set() and not deadline:  # first signal with a flush to run first
-                if flusher is None:
-                    flusher = threading.Thread(target=_guarded, args=(before_stop, say), name="kvtier-flush-on-stop",
-                                               daemon=True)
-                    flush_until = time.monotonic() + stop_timeout_s
-                    flusher.start()
-                elif not flusher.is_alive() or time.monotonic() > flush_until:
-                    if flusher.is_alive():
-                        say(f"flush did not finish within {stop_timeout_s:g} s; stopping anyway")
-                    stop_child()
-            if deadline and not killed and time.monotonic() > deadline[0]:
-                say(f"vLLM did not stop within {grace_s:g} s; killing it")
-                _kill_group(pgid, signal.SIGKILL)
-                killed = True
-        if signalled.is_set():
-            if returncode in (0, -signal.SIGTERM, -signal.SIGINT) and not killed:
-                say("stopped")
-                return 0
-            return _exit_status(returncode)
-        say(f"vLLM exited with status {_exit_status(returncode)}"
-            + ("" if returncode == 0 else " (its output is above)"))
-        return _exit_status(returncode)
-    finally:
-        stop_polling.set()
-        if child is not None:
-            _reap_group(child, grace_s)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-        if poller is not None:
-            poller.join(timeout=3)
-
-
 def flush_before_stop(socket_path: str, timeout_s: float, say: Say) -> None:
     """Write the server's dirty KV to NVMe through its admin API (``kvtier flush``), with progress."""
     from kvtier.control.client import AdminClient
@@ -432,56 +319,3 @@ def flush_before_stop(socket_path: str, timeout_s: float, say: Say) -> None:
             say(f"flush job {job['id']} {job['state']}: {job.get('error') or ''}")
     finally:
         client.close()
-
-
-def _guarded(action: Callable[[], None] | None, say: Say) -> None:
-    if action is None:
-        return
-    try:
-        action()
-    except Exception as exc:  # noqa: BLE001 - stopping must go on whatever the flush met
-        hint = getattr(exc, "hint", None)
-        say(f"flush before stop failed: {exc}" + (f" ({hint})" if hint else ""))
-
-
-def _reap_group(child: subprocess.Popen, grace_s: float) -> None:
-    """Leave nothing of ``child``'s process group behind (the child leads it: pgid == pid)."""
-    pgid = child.pid
-    if pgid <= 1:  # never signal our own group (0) or everything (-1 / 1)
-        return
-    if child.poll() is None:  # an exception (or KeyboardInterrupt) got us here
-        _kill_group(pgid, signal.SIGTERM)
-        try:
-            child.wait(timeout=min(grace_s, 10.0))
-        except subprocess.TimeoutExpired:
-            _kill_group(pgid, signal.SIGKILL)
-            child.wait()
-    # The leader is gone; its own children (engine-core workers) may not be: clear the group.
-    if _group_alive(pgid) and _kill_group(pgid, signal.SIGTERM):
-        end = time.monotonic() + min(grace_s, 5.0)
-        while time.monotonic() < end and _group_alive(pgid):
-            time.sleep(0.05)
-        if _group_alive(pgid):
-            _kill_group(pgid, signal.SIGKILL)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether any live (non-zombie) process is left in group ``pgid``.  Zombies are skipped: in a
-    container whose init never reaps, orphans' zombies would otherwise look alive forever."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        entries = None
-    if entries is None or not os.path.exists("/proc/self/stat"):
-        return _kill_group(pgid, 0)
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False

@@ -23,12 +23,10 @@ Rules that follow from how vLLM's scheduler calls a connector (see docs/architec
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +39,11 @@ from kvtier.layout import ModelFingerprint
 from kvtier.plan.decide import LoadCandidate, blocks_to_load, worth_keeping
 from kvtier.plan.index import namespace_of, validate_session_id
 from kvtier.plan.manager import TierManager
-from kvtier.plugins.vllm import turns
 from kvtier.plugins.vllm.geometry import VllmBlockKeys
+from kvtier.plugins.vllm.state import RequestState
 from kvtier.plugins.vllm.timing import EngineClock, build_cost_model
+from kvtier.plugins.vllm.turns import TurnRecorder, store_skipped
+from kvtier.plugins.vllm.wake import EngineWaker
 from kvtier.tiers.nvme.store import scan_shards
 
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "anonymous_session", "session_of"]
@@ -85,24 +85,6 @@ class StepPlan:
     recv_now: list[str] = field(default_factory=list)  # async loads with no job left: done at once
     flush_jobs: list[int] = field(default_factory=list)  # running stores of preempted requests
     finish_after_stores: list[str] = field(default_factory=list)  # finished requests held for their stores
-
-
-@dataclass
-class RequestState:
-    request: Any
-    namespace: bytes
-    session_id: str
-    block_ids: list[int] = field(default_factory=list)  # the request's HBM block table
-    stored_blocks: int = 0  # blocks [0, stored_blocks) are held by kvtier (or were offered)
-    local_tokens: int = 0  # vLLM's own prefix hit at admission
-    loaded_tokens: int = 0  # tokens loaded from kvtier at admission
-    counted: bool = False  # its prompt is in the hit-rate counters
-    decision: str | None = None  # load | split | recompute, for the hit it had at admission
-    skipped_blocks: int = 0  # blocks not stored because the prefix was below the break-even (counted once)
-    lookup: tuple | None = None  # what the last lookup saw: (servable tokens, tokens held, LoadCandidate, decision)
-    facts: Any = None  # kvtier.plan.reasons.TurnFacts of its turn (from its first admission)
-    turn: Any = None  # kvtier.plan.reasons.TurnRecord: its entry in the session's turn log
-    shared: Any = None  # its shared-store lookup / fetch (kvtier.plugins.vllm.shared.SharedLookups)
 
 
 class KVTierScheduler:
@@ -149,6 +131,7 @@ class KVTierScheduler:
         self.write_behind_s = write_behind_seconds(config.write_behind) if cold_dir else None
         self._stopping = threading.Event()
         self.requests: dict[str, RequestState] = {}
+        self.turns = TurnRecorder(self.manager, self.cost, self.decide_cost, fingerprint, self.requests)
         # the engine's steps, timed: the prefill model's samples, and how long the engine has been idle
         self.clock = EngineClock(config, self.cost, self.manager.count, self.requests, cold_dir, self._stopping)
         self._ranks = RankMerger(self.shards)  # a job is applied once every rank reported it
@@ -165,8 +148,9 @@ class KVTierScheduler:
         self.admin = None
         self._hbm_capacity_blocks = getattr(getattr(vllm_config, "cache_config", None), "num_gpu_blocks", None)
         self._api_url = config.api_url
-        self._served_name = str(config.model_id or fingerprint.model_id.rpartition("@")[0])
-        self._waking = threading.Lock()
+        # makes steps while admin jobs are in flight and the engine is idle
+        self.waker = EngineWaker(config.api_url, str(config.model_id or fingerprint.model_id.rpartition("@")[0]),
+                                 self._in_flight)
         self.shared = None  # the shared tier's scheduler side: lookups, fetches, session entries
         from kvtier.tiers.shared.store import SharedConfig
 
@@ -174,7 +158,8 @@ class KVTierScheduler:
         if shared_config is not None:
             from kvtier.plugins.vllm.shared import SharedLookups
 
-            self.shared = SharedLookups(self, shared_config, box=str(config.instance or os.uname().nodename))
+            self.shared = SharedLookups(self.manager, self.cost, self.lock, self.enqueue, self.shards, shared_config,
+                                        box=str(config.instance or os.uname().nodename))
         if config.admin_socket:
             self._start_admin(config)
         self.catalog_paused = threading.Event()  # `kvtier bench restart`: the same engine with it off
@@ -253,47 +238,17 @@ class KVTierScheduler:
                 "capacity_bytes": capacity * block_bytes if capacity else None}
 
     def poke(self) -> bool:
-        """One 1-token request, so an idle engine runs a step (kvtier's results travel with steps)."""
-        if not self._api_url:
-            return False
-        body = json.dumps({"model": self._served_name, "prompt": ".", "max_tokens": 1}).encode()
-        request = urllib.request.Request(self._api_url.rstrip("/") + "/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(request, timeout=30).read()
-            return True
-        except Exception as exc:  # the next real request does the same
-            log.debug("kvtier: wake request failed: %s", exc)
-            return False
+        """One 1-token request, so an idle engine runs a step (see ``EngineWaker``)."""
+        return self.waker.poke()
 
     def wake(self) -> None:
-        """Keep the engine stepping while admin jobs are in flight.
+        """Keep the engine stepping while admin jobs are in flight (see ``EngineWaker.wake``)."""
+        self.waker.wake()
 
-        An idle vLLM engine runs no steps, and kvtier's jobs travel with steps: a job ships with one
-        step and its result comes back with a later one (background IO). So while a job is queued
-        or running, one thread sends 1-token requests (each is one short step), backing off from
-        20 ms to 0.5 s, and stops when nothing is in flight. Real traffic makes it unnecessary.
-        """
-        if not self._api_url or not self._waking.acquire(blocking=False):
-            return
-
-        def in_flight() -> bool:
-            with self.lock:
-                return bool(self._jobs) or (self.ops is not None and any(
-                    r.state in ("queued", "running") for r in self.ops.jobs.values()))
-
-        def poke_until_idle() -> None:
-            delay = 0.02
-            try:
-                for _ in range(10_000):
-                    if not in_flight() or not self.poke():  # jobs still run with the next real request
-                        return
-                    time.sleep(delay)
-                    delay = min(delay * 1.5, 0.5)
-            finally:
-                self._waking.release()
-
-        threading.Thread(target=poke_until_idle, name="kvtier-wake", daemon=True).start()
+    def _in_flight(self) -> bool:
+        with self.lock:
+            return bool(self._jobs) or (self.ops is not None and any(
+                r.state in ("queued", "running") for r in self.ops.jobs.values()))
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -357,7 +312,7 @@ class KVTierScheduler:
                 self.manager.count(f"decision_{state.decision}")
         if num_external_tokens <= 0:
             if first:
-                turns.admitted(self, state, request, None, 0, 0)
+                self.turns.admitted(state, request, None, 0, 0)
             return
         block_ids = list(blocks.get_block_ids()[0])
         start = state.local_tokens // self.block_tokens
@@ -375,7 +330,7 @@ class KVTierScheduler:
         state.loaded_tokens = num_external_tokens
         self.manager.count("loaded_tokens", num_external_tokens)
         if first:
-            turns.admitted(self, state, request, job, count * self.block_tokens,
+            self.turns.admitted(state, request, job, count * self.block_tokens,
                            (count - loaded) * self.block_tokens)
 
     # ---- per step -----------------------------------------------------------------------------
@@ -433,7 +388,7 @@ class KVTierScheduler:
             # Stores resume (from the first block) if the request grows past it while it holds them.
             self.manager.count("store_skipped_blocks", full - max(state.skipped_blocks, state.stored_blocks))
             state.skipped_blocks = max(state.skipped_blocks, full)
-            turns.store_skipped(state)
+            store_skipped(state)
             return
         first = state.stored_blocks
         job = self.manager.prepare_store(state.session_id, state.namespace, keys[first:full],
@@ -470,7 +425,7 @@ class KVTierScheduler:
                 continue
             job = self.manager.jobs.get(result.job_id)
             if job is not None and job.kind == JobKind.LOAD and not result.ok:  # recomputed: the turn says why
-                turns.load_failed(self, job, result)
+                self.turns.load_failed(job, result)
             if job is not None and job.kind == JobKind.STORE and job.req_id is not None:
                 pending = self._stores_of.get(job.req_id)
                 if pending is not None:
@@ -493,7 +448,7 @@ class KVTierScheduler:
         state = self.requests.get(request.request_id)
         if state is None:
             return held, None
-        turns.finished(self, state)
+        self.turns.finished(state)
         session = self.manager.sessions.get(state.session_id)
         if session is not None:
             session.hot = False

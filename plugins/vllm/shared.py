@@ -23,12 +23,15 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
+from kvtier.plugins.vllm.state import RequestState
 from kvtier.tiers.shared.store import SharedConfig, SharedStore, SharedUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.plugins.vllm.scheduler import KVTierScheduler, RequestState
+    from kvtier.jobs import Job
+    from kvtier.plan.costmodel import CostModel
+    from kvtier.plan.manager import TierManager
 
 __all__ = ["SharedLookups", "LOOKUP_WAIT_S"]
 
@@ -41,9 +44,12 @@ INFO_EVERY_S = 2.0
 
 
 class SharedLookups:
-    def __init__(self, scheduler: "KVTierScheduler", config: SharedConfig, box: str):
-        self.scheduler = scheduler
-        self.manager = scheduler.manager
+    def __init__(self, manager: "TierManager", cost: "CostModel", lock: "threading.RLock",
+                 enqueue: "Callable[[Job], None]", shards: int, config: SharedConfig, box: str):
+        """``lock``: the scheduler's (vLLM's engine thread and the admin API share the manager and
+        the cost model through it); ``enqueue``: ships a job with the next step; ``shards``: the
+        tensor-parallel ranks, each holding its own shard of every block."""
+        self.manager, self.cost, self.lock, self.enqueue, self.shards = manager, cost, lock, enqueue, shards
         self.config = config
         self.box = box
         self.store = SharedStore(config, rank=0)
@@ -78,7 +84,7 @@ class SharedLookups:
                 state.shared = ("done",)
                 return False
             keys = list(request.block_hashes[have:usable])
-            future = self._pool.submit(self.store.lengths, state.namespace, keys, self.scheduler.shards)
+            future = self._pool.submit(self.store.lengths, state.namespace, keys, self.shards)
             state.shared = ("looking", now, future, have, keys)
             return True
         if phase[0] == "looking":
@@ -100,7 +106,7 @@ class SharedLookups:
             if not found:
                 count("shared_lookup_misses")
                 return False
-            cost = self.scheduler.cost
+            cost = self.cost
             fetch, fetch_s, recompute_s = cost.fetch_beats_recompute(start * cost.block_tokens, found,
                                                                      sum(sizes[:found]))
             if not fetch:
@@ -111,7 +117,7 @@ class SharedLookups:
             if job is None:
                 return False
             job.req_id = request.request_id
-            self.scheduler.enqueue(job)
+            self.enqueue(job)
             count("shared_fetches")
             count("shared_fetch_blocks", len(job.moves))
             state.shared = ("fetching", now, job.job_id, max(FETCH_WAIT_S, 4 * fetch_s))
@@ -142,8 +148,8 @@ class SharedLookups:
                 self._measured_at = now
                 try:
                     bps, rtt = self.store.measure()
-                    with self.scheduler.lock:
-                        self.scheduler.cost.set_shared_link(bps, rtt)
+                    with self.lock:
+                        self.cost.set_shared_link(bps, rtt)
                 except SharedUnavailable:
                     self._measured_at = now - MEASURE_EVERY_S + 5.0  # again soon
             self._warn()
@@ -151,7 +157,7 @@ class SharedLookups:
             self._ticking.release()
 
     def _publish(self) -> None:
-        lock = self.scheduler.lock
+        lock = self.lock
         with lock:
             entries = self.manager.shared_batch(self.box)
         if not entries:
@@ -170,10 +176,10 @@ class SharedLookups:
             problems.append(self.store.problem or "down")
         for rank, report in sorted(self.reports.items()):
             if report.get("state") == "down" and report.get("problem") not in problems:
-                problems.append(f"rank {rank}: {report.get('problem')}" if self.scheduler.shards > 1
+                problems.append(f"rank {rank}: {report.get('problem')}" if self.shards > 1
                                 else report.get("problem") or "down")
         rejected = self.counters().get("rejected_unsigned", 0)
-        with self.scheduler.lock:
+        with self.lock:
             if problems:
                 warning = (f"shared store {self.store.url} is {'; '.join(problems)}: serving "
                            "without it (requests recompute what it holds)")
@@ -196,7 +202,7 @@ class SharedLookups:
         """The shared tier for status and ``kvtier top`` (no network: cached figures). Under the lock."""
         counters = self.counters()
         manager = self.manager.counters
-        link = self.scheduler.cost.shared_link
+        link = self.cost.shared_link
         return {"url": self.store.url, "state": self.store.state, "problem": self.store.problem,
                 "cluster": self.store.cluster, "policy": self.config.policy, "codec": self.config.codec,
                 "ttl_s": self.config.ttl_s, "box": self.box,

@@ -1,0 +1,29 @@
+"""What the connector's scheduler half knows of one request, from its first lookup to its end.
+
+Its own module so that the parts beside the scheduler (turn recording, shared-tier lookups) name it
+without importing the scheduler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RequestState"]
+
+
+@dataclass
+class RequestState:
+    request: Any
+    namespace: bytes
+    session_id: str
+    block_ids: list[int] = field(default_factory=list)  # the request's HBM block table
+    stored_blocks: int = 0  # blocks [0, stored_blocks) are held by kvtier (or were offered)
+    local_tokens: int = 0  # vLLM's own prefix hit at admission
+    loaded_tokens: int = 0  # tokens loaded from kvtier at admission
+    counted: bool = False  # its prompt is in the hit-rate counters
+    decision: str | None = None  # load | split | recompute, for the hit it had at admission
+    skipped_blocks: int = 0  # blocks not stored because the prefix was below the break-even (counted once)
+    lookup: tuple | None = None  # what the last lookup saw: (servable tokens, tokens held, LoadCandidate, decision)
+    facts: Any = None  # kvtier.plan.reasons.TurnFacts of its turn (from its first admission)
+    turn: Any = None  # kvtier.plan.reasons.TurnRecord: its entry in the session's turn log
+    shared: Any = None  # its shared-store lookup / fetch (kvtier.plugins.vllm.shared.SharedLookups)
