@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import types
 from pathlib import Path
 
@@ -104,15 +103,19 @@ def test_incomplete_leftovers_are_rebuilt_deterministically(built, tmp_path):
 def test_waits_for_a_concurrent_builder_and_reuses_its_result(built, tmp_path):
     final = demo_model_dir("tiny", tmp_path)
     messages: list[str] = []
+    said = threading.Event()  # set by the builder's first progress message (it says it waits)
     result: list[object] = []
+
+    def progress(message: str) -> None:
+        messages.append(message)
+        said.set()
+
     with open(tmp_path / ".kvtier-demo-tiny-v1.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # play the other builder
         worker = threading.Thread(target=lambda: result.append(
-            ensure_demo_model("tiny", cache_dir=tmp_path, progress=messages.append)))
+            ensure_demo_model("tiny", cache_dir=tmp_path, progress=progress)))
         worker.start()
-        deadline = time.monotonic() + 30
-        while not messages and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert said.wait(30)
         assert messages and "waiting" in messages[0]
         assert worker.is_alive()
         shutil.copytree(built, final)  # the "other builder" finishes (rename with marker inside)

@@ -101,7 +101,7 @@ def test_a_failing_disk_warns_keeps_serving_and_recovers(tmp_path):
     loaded, wrong = world.load_and_check(keys)
     assert loaded == 6 and wrong == []
     heal_disk(tmp_path / "nvme")  # the disk works again
-    manager._nvme_retry_at = 0.0  # skip the back-off wait
+    manager.nvme_health.retry_now()  # skip the back-off wait
     manager.low = 0.0
     engine.maintain(force=True)
     assert "nvme" not in manager.warnings and manager.counters["demoted_blocks"] > 0
@@ -125,7 +125,7 @@ def test_a_failing_disk_never_drops_a_session_pinned_to_nvme(tmp_path):
     loaded, wrong = world.load_and_check(sessions[1])
     assert loaded == 4 and wrong == []  # the pinned session is all still there
     heal_disk(tmp_path / "nvme")
-    manager._nvme_retry_at = 0.0
+    manager.nvme_health.retry_now()
     engine.maintain(force=True)  # the disk works again: the pinned blocks reach it
     rows = manager.session_rows(manager.session("s1"))
     assert all(manager.index.col["flags"][r] & IN_NVME for r in rows)

@@ -56,6 +56,7 @@ def test_a_name_is_held_while_its_server_lives_and_freed_when_it_is_killed(run_e
         "from kvtier.control.instances import Instance, Registration\n"
         f"s = socket.socket(socket.AF_UNIX); s.bind({str(sock)!r}); s.listen()\n"
         f"Registration(Instance('gpu0', 0, 8001, '127.0.0.1', 'u', {str(sock)!r}, 'tiny')).claim()\n"
+        # a live server that holds its name until the test kills it (the sleep is its life, not a wait)
         "print('up', flush=True); time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "up"
@@ -378,7 +379,7 @@ def test_two_real_instances_tiny_by_hub_id_and_mid(run_env, tiny_model, mid_mode
     """A tiny model served by its hub id from an offline Hugging Face cache (a named instance) and the
     mid demo model (named by its port) on one box, sharing one --nvme-dir: both reachable, a taken
     name refused before vLLM starts, kvtier top shows both, their blocks never mix."""
-    from kvtier.bench.vllm.served import Served
+    from support.harness import Served
 
     lay_out_hub_cache(tmp_path / "hf", "kvtier-test/tiny-llama", tiny_model)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
@@ -465,6 +466,7 @@ def test_a_hung_resolver_does_not_hold_serve_up(run_env, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     # huggingface_hub reads HF_HUB_OFFLINE once, at its import: another test of this run may have set it
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    # the hang under test: a resolver that does not answer for 30 s (kvtier must give up within ~3 s)
     monkeypatch.setattr(socket_mod, "getaddrinfo", lambda *a, **k: time.sleep(30))
     started = time.monotonic()
     with pytest.raises(UsageError, match="cannot reach the Hugging Face hub") as err:

@@ -84,13 +84,13 @@ def test_demotion_then_a_bad_nvme_read_forgets_the_block_and_frees_its_bytes(pla
     manager.record_session("s", ns, keys, 64)
     mover.run(manager.evict("s", Tier.NVME))
     assert state(manager, ns, keys) == ["nvme"] * 4 and manager.slots.used_slots == 0
-    used = manager._nvme_used
+    used = manager.nvme_used
     assert used == 4 * file_bytes_for(manager.geometry.block_bytes)
     rows = manager.lookup(ns, keys)
     mover.bad_reads = {1}
     mover.run(manager.prepare_load(rows, [10, 11, 12, 13]))
     assert state(manager, ns, keys)[1] == "-"  # the damaged block is forgotten, not served again
-    assert manager._nvme_used == used - file_bytes_for(manager.geometry.block_bytes)
+    assert manager.nvme_used == used - file_bytes_for(manager.geometry.block_bytes)
     assert manager.counters["nvme_failed_reads"] == 1 and "nvme_reads" in manager.warnings
     assert int(manager.index.col["refs"][rows[0]]) == 0  # the load's references are given back
 

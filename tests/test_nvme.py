@@ -479,6 +479,8 @@ def test_sigkill_during_writes_keeps_acknowledged_blocks(tmp_path):
                 assert line, f"writer died: {proc.stderr.read()}"
                 acked.add(line.strip().encode())
                 seen += 1
+            # Random jitter, not a wait for a state: the kill landing at an arbitrary point of a
+            # batch (mid-pwritev, mid-sync, mid-journal append) is what this test exercises.
             time.sleep(rng.uniform(0, 0.02))
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)

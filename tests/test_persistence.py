@@ -11,12 +11,12 @@ import json
 import os
 import sqlite3
 import struct
-import time
 
 import numpy as np
 import pytest
 import torch
 from conftest import break_disk, heal_disk, make_engine
+from support.clock import FakeClock
 
 from kvtier.jobs import JobKind
 from kvtier.layout import ModelFingerprint
@@ -43,6 +43,13 @@ def restart(engine, fingerprint, hbm, tmp_path, **kwargs):
     """Stop without the shutdown write-back (vLLM may kill the worker first), start a new engine."""
     engine.close(write_back=False)
     return make_engine(fingerprint, hbm, tmp_path, **kwargs)
+
+
+def disk_clock(engine) -> FakeClock:
+    """Put the manager's NVMe write back-off on a clock the test moves (no sleeping through it)."""
+    clock = FakeClock()
+    engine.manager.nvme_health.clock = clock
+    return clock
 
 
 def loads(engine, keys, first_hbm: int = 40) -> int:
@@ -355,6 +362,7 @@ def test_dirty_age_grows_until_written(fingerprint, hbm, tmp_path):
 def test_a_failing_disk_stops_write_behind_with_a_warning_until_it_recovers(fingerprint, hbm, tmp_path):
 
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    clock = disk_clock(engine)
     store(engine, "agent", 1, 3)
     engine.flush()
     store(engine, "later0", 3, 3)
@@ -365,7 +373,7 @@ def test_a_failing_disk_stops_write_behind_with_a_warning_until_it_recovers(fing
     heal_disk(tmp_path / "nvme")
     assert engine.write_behind(0) == 3 and engine.manager.dirty_stats()["dirty_blocks"] == 0
     assert "nvme" in engine.manager.warnings  # one write that slips through does not end it at once...
-    time.sleep(1.05)  # ...a write after the back-off (1 s after a first failure) does
+    clock.advance(1.05)  # ...a write after the back-off (1 s after a first failure) does
     store(engine, "later", 2, 1, 5)
     assert engine.write_behind(0) == 1 and "nvme" not in engine.manager.warnings
     engine.close()
@@ -390,6 +398,7 @@ def test_a_wiped_nvme_dir_is_recreated_with_its_catalog(fingerprint, hbm, tmp_pa
 def test_the_disk_probe_tells_a_failing_disk_from_a_healed_one(fingerprint, hbm, tmp_path):
 
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
+    clock = disk_clock(engine)
     store(engine, "agent", 1, 1)
     engine.flush()  # the index exists
     assert engine.nvme.probe() is None
@@ -401,7 +410,7 @@ def test_the_disk_probe_tells_a_failing_disk_from_a_healed_one(fingerprint, hbm,
     assert "nvme" in engine.manager.warnings
     heal_disk(tmp_path / "nvme")
     assert engine.nvme.probe() is None
-    time.sleep(1.05)  # past the back-off
+    clock.advance(1.05)  # past the back-off
     engine.execute(engine.manager.note_written_behind([], None, disk_ok=True))
     assert "nvme" not in engine.manager.warnings
     engine.close()
@@ -422,9 +431,10 @@ def test_a_wiped_nvme_dir_is_noticed_even_with_nothing_to_write(fingerprint, hbm
 def test_a_full_disk_warning_waits_for_room_the_budget_still_promises(fingerprint, hbm, tmp_path):
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     manager = engine.manager
+    clock = disk_clock(engine)
     full = f"NVMe tier: no space left on the device holding {tmp_path}"
     manager.note_written_behind([], full)
-    time.sleep(1.05)  # past the back-off
+    clock.advance(1.05)  # past the back-off
     promised = manager.nvme_capacity - manager.nvme_used
     manager.note_written_behind([], None, disk_ok=True, disk_free=promised // 2)
     assert manager.warnings["nvme"] == full  # a write fit into space a drop freed: still full
@@ -438,15 +448,16 @@ def test_a_full_disk_at_a_full_budget_stays_full_until_a_margin_is_free(fingerpr
     write would end the warning while the disk sits at 0 bytes free and other writers race kvtier."""
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     manager = engine.manager
+    clock = disk_clock(engine)
     full = f"NVMe tier: no space left on the device holding {tmp_path}"
-    manager._nvme_used = manager.nvme_capacity  # the budget is spent
+    spent = manager.nvme_budget.reserve(manager.nvme_capacity - manager.nvme_used)  # the budget is spent
     manager.note_written_behind([], full)
-    time.sleep(1.05)
+    clock.advance(1.05)
     manager.note_written_behind([], None, disk_ok=True, disk_free=4096)
     assert manager.warnings["nvme"] == full
     manager.note_written_behind([], None, disk_ok=True, disk_free=manager.full_disk_margin())
     assert "nvme" not in manager.warnings
-    manager._nvme_used = 0
+    manager.nvme_budget.release(spent)
     engine.close()
 
 

@@ -13,9 +13,11 @@ import time
 import pytest
 import torch
 
-from kvtier.errors import StorageError
+from kvtier.errors import CapacityError, StorageError
 from kvtier.tiers.dram import PAGE, DramArena, round_up
-from kvtier.tiers.nvme.journal import JOURNAL_NAME
+from kvtier.tiers.nvme.journal import JOURNAL_NAME, Extent
+from kvtier.tiers.nvme.parts import _Item
+from kvtier.tiers.nvme.space import SegmentSpace
 from kvtier.tiers.nvme.store import IO_BYTES, BlockRecord, NvmeStore, scan_shards
 from kvtier.tiers.records import HEADER_BYTES, checksum, file_bytes_for
 
@@ -336,11 +338,11 @@ def test_a_block_dropped_while_compaction_copies_it_stays_dropped(tmp_path):
         write_all(store, keys(9, "a"), n)
         write_all(store, keys(9, "b"), n)
         store.delete_many([(NS, k) for k in keys(9, "a")[2:]])
-        picked = [((NS, k), store._loc[(NS, k)]) for k in (b"a0", b"a1")]
+        picked = [((NS, k), store.locator[(NS, k)]) for k in (b"a0", b"a1")]
         store.delete(NS, b"a1")  # dropped after compaction chose it, before its copy is committed
-        assert store._move(picked) == file_bytes_for(n)  # only a0 moved
+        assert store.compactor.move(picked) == file_bytes_for(n)  # only a0 moved
         assert not store.contains(NS, b"a1") and store.contains(NS, b"a0")
-        assert store.used_bytes == sum(s.live for s in store._segments.values()) == 10 * file_bytes_for(n)
+        assert store.used_bytes == sum(s.live for s in store.space.segments.values()) == 10 * file_bytes_for(n)
         check_all(store, [b"a0"], n)
     finally:
         store.close()
@@ -349,3 +351,23 @@ def test_a_block_dropped_while_compaction_copies_it_stays_dropped(tmp_path):
         assert b"a1" not in {r.key for r in again.scan()}
     finally:
         again.close()
+
+
+def test_the_budget_is_what_segments_hold_plus_what_writes_reserved(tmp_path):
+    """One budget: a reservation counts until its records are named (then live) or failed (then
+    given back); a drop takes the live bytes off. Nothing else keeps a count."""
+    seg_dir = tmp_path / "segments"
+    seg_dir.mkdir()
+    size = file_bytes_for(10_000)
+    space = SegmentSpace(seg_dir, 3 * size, 1 << 20)
+    space.reserve(2 * size)
+    assert space.used_bytes == 2 * size
+    with pytest.raises(CapacityError):
+        space.reserve(2 * size)
+    items = [_Item(i, NS, b"k%d" % i, b"", Extent(0, 0, 10_000, "none")) for i in range(2)]
+    space.place(items)
+    space.committed([items[0].extent])  # named: live now
+    space.settle([items[1]])  # failed: its reservation goes back
+    space.release(size)
+    assert space.used_bytes == size == sum(s.live for s in space.segments.values())
+    assert space.forget([items[0].extent]) == size and space.used_bytes == 0

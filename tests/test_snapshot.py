@@ -4,12 +4,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import select
 import signal
 import struct
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -455,16 +455,25 @@ def test_write_errors(tmp_path):
 
 CHILD = textwrap.dedent(
     """
-    import sys, time
+    import pathlib, sys
     from kvtier.layout import KVGeometry, ModelFingerprint
     from kvtier.persist.snapshot import write_snapshot
 
     fp = ModelFingerprint("org/model-a", KVGeometry(2, 2, 8, 16))
     n, size = 400, 1 << 20
+    directory = pathlib.Path(sys.argv[1]).parent
+
+    def on_disk() -> bool:
+        return any(p.stat().st_size > 0 for p in directory.iterdir() if ".tmp-" in p.name)
 
     def payloads():
+        # 400 MiB is more than the writer's staged buffers: it must wait for a write to land before
+        # taking them all, so one payload sees the first staging buffer on disk; there the writer
+        # says so and stops (blocked on stdin) until it is killed
         for i in range(n):
-            time.sleep(0.02)
+            if on_disk():
+                print("mid-write", flush=True)
+                sys.stdin.read()
             yield bytes([i % 251]) * size
 
     write_snapshot(sys.argv[1], fp, "s", bytes(16), "none", 16 * n, [b"%d" % i for i in range(n)],
@@ -476,23 +485,20 @@ CHILD = textwrap.dedent(
 def test_sigkill_mid_write_leaves_no_snapshot(tmp_path):
     path = tmp_path / "big.kvsnap"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], env=env, cwd=REPO)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], env=env, cwd=REPO,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # wait until the first staging buffer reached the disk
-            temps = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
-            if temps and temps[0].stat().st_size > 0:
-                break
-            assert child.poll() is None, "writer exited early"
-            time.sleep(0.02)
-        else:
-            pytest.fail("the writer never started writing")
+        ready, _, _ = select.select([child.stdout], [], [], 120)
+        assert ready, "the writer never started writing"
+        assert child.stdout.readline() == "mid-write\n", "writer exited early"
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
+        child.stdin.close()
+        child.stdout.close()
     assert child.returncode == -signal.SIGKILL
     assert not path.exists()
     leftovers = list(tmp_path.iterdir())

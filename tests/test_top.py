@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from support.clock import FakeClock
+from support.harness import PtyApp, demo_admin
 from typer.testing import CliRunner
 
-from kvtier.bench.top import PtyApp, demo_admin
 from kvtier.cli.main import app as cli_app
 from kvtier.control.client import AdminClient
 from kvtier.errors import NotFoundError
@@ -54,7 +55,7 @@ def make_app(admin, interval: float = 0.2) -> TopApp:
 
 async def settle(pilot, app, admin=None, polls: int = 2) -> None:
     """Let the action's worker post its write, the job run, and the next polls land."""
-    await pilot.pause(0.3)
+    await app.workers.wait_for_complete([w for w in app.workers if w.group == "actions"])
     if admin is not None:
         admin.drain()
     target = app.shown + polls
@@ -216,14 +217,15 @@ async def test_no_server_shows_a_banner_and_keeps_retrying(tmp_path):
 
 
 def test_collector_rates_and_missing_nvml(live):
-    collector = Collector(live.client)
+    clock = FakeClock(time.time())
+    collector = Collector(live.client, clock=clock)
     first = collector.poll()
     assert first.connected and len(first.sessions) == 30
     assert all(link.bytes_per_s is None for link in first.links if link.source == "kvtier")  # one sample
     warm = next(r.session_id for r in first.sessions if r.state == "warm")
     live.client.post(live.client.session_path(warm, "evict"), {"to": "nvme"})
     live.drain()
-    time.sleep(0.05)
+    clock.advance(0.05)  # a rate needs time between the two samples
     second = collector.poll()
     demote = next(link for link in second.links if link.name == "DRAM→NVMe")
     assert demote.bytes_per_s > 0 and demote.history

@@ -60,7 +60,7 @@ def fresh(fingerprint, hbm, tmp_path, name="restorer"):
 
 def usage(engine) -> tuple:
     manager = engine.manager
-    return manager.slots.free_slots, len(manager.index), manager._nvme_used, len(manager.sessions)
+    return manager.slots.free_slots, len(manager.index), manager.nvme_used, len(manager.sessions)
 
 
 def test_a_genuine_snapshot_restores_under_recomputed_keys(fingerprint, hbm, tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,12 +17,38 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["LocalAdmin"]
 
 
+class _Hold:
+    """A switch tests flip to hold jobs in the queue (``set``) and let them go (``clear``); the job
+    thread waits for the release on a condition, not by polling."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held = False
+
+    def set(self) -> None:
+        with self._cond:
+            self._held = True
+
+    def clear(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+    def is_set(self) -> bool:
+        return self._held
+
+    def wait_released(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._held)
+
+
 class LocalAdmin:
     def __init__(self, engine: "TierEngine", socket_path: str | Path, snapshot_dir: str | Path | None = None,
                  tcp: tuple[str, int] | None = None, token: str | None = None):
         self.engine = engine
         self.lock = threading.RLock()
-        self.paused = threading.Event()  # tests: hold jobs in the queue
+        self.paused = _Hold()  # tests: hold jobs in the queue
+        self._settled = threading.Condition(self.lock)  # notified as each job finishes (drain waits on it)
         self._queue: "queue.Queue" = queue.Queue()
         info = {"model": engine.fingerprint.model_id, "api_url": None, "kv_dtype": engine.fingerprint.geometry.dtype,
                 "block_tokens": engine.fingerprint.geometry.block_tokens}
@@ -42,8 +67,7 @@ class LocalAdmin:
             job = self._queue.get()
             if job is None:
                 return
-            while self.paused.is_set() and not self._stop:
-                time.sleep(0.005)
+            self.paused.wait_released()  # stop() releases it too
             with self.lock:
                 self.ops.shipped([job.job_id])
             result = self.engine.mover.run(job)  # the IO runs outside the lock, as in the worker
@@ -51,16 +75,14 @@ class LocalAdmin:
                 self.engine.manager.complete(result)
                 self.engine.mover.forget_slots(self.engine.manager.slots.drain_freed())
                 self.ops.finished(result)
+                self._settled.notify_all()
 
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until every queued job has run."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if not any(r.state in ("queued", "running") for r in self.ops.jobs.values()):
-                    return
-            time.sleep(0.005)
-        raise TimeoutError("admin jobs did not finish")
+        with self._settled:
+            if not self._settled.wait_for(
+                    lambda: not any(r.state in ("queued", "running") for r in self.ops.jobs.values()), timeout):
+                raise TimeoutError("admin jobs did not finish")
 
     def stop(self) -> None:
         self._stop = True

@@ -1,197 +1,251 @@
-"""Operator actions on sessions (pin, unpin, evict, snapshot, restore) and the status views.
+"""Sessions and the operator's actions on them: recording a session's latest prompt, pin, unpin,
+promote, evict, snapshot, restore, and fetches from the shared store, with their completions.
 
-A mixin of ``TierManager`` kept in its own module for size: it uses the manager's index, slots,
-policies and job helpers, and like the manager it only plans; the mover does the IO.
+``SessionPlanner`` owns no block state of its own: it plans on the block table (where sessions and
+their blocks live), asks pressure for NVMe room and demotions, notes changed sessions in the
+catalog log, and emits jobs into the job book. Like every part of the scheduler half it only
+plans; the mover does the IO.
 """
 from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from kvtier.codecs import get_codec
 from kvtier.errors import CapacityError, FingerprintMismatchError, UsageError
 from kvtier.jobs import Job, JobKind, JobResult
-from kvtier.plan.index import FIRST, IN_DRAM, IN_NVME, PENDING, Tier, validate_session_id
+from kvtier.layout import ModelFingerprint
+from kvtier.plan.catalog_log import CatalogLog
+from kvtier.plan.index import FIRST, IN_DRAM, IN_NVME, PENDING, Session, Tier, validate_session_id
+from kvtier.plan.jobbook import JobBook
+from kvtier.plan.pressure import Pressure
+from kvtier.plan.table import BlockTable
+from kvtier.plan.telemetry import Telemetry
 from kvtier.tiers.nvme.store import file_bytes_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.persist.snapshot import SnapshotInfo
-    from kvtier.plan.index import Session
-    from kvtier.plan.manager import TierManager
 
-__all__ = ["SessionOps", "SESSION_STATES"]
+__all__ = ["SessionPlanner"]
 
-SESSION_STATES = ("pinned", "hot", "warm", "cold", "gone")  # in the order session_state tests them
+BlockKeys = Callable[[list[int], "str | None"], list[bytes]]
 
 
-class SessionOps:
+class SessionPlanner:
+    def __init__(self, table: BlockTable, jobs: JobBook, telemetry: Telemetry, pressure: Pressure,
+                 catalog_log: CatalogLog, fingerprint: ModelFingerprint, block_keys: BlockKeys, key_scheme: str):
+        """``block_keys``: how block keys are computed from token ids (restores recompute them and
+        never trust a file's); ``key_scheme``: the name of that hash (a snapshot records it)."""
+        self.table, self.jobs, self.telemetry = table, jobs, telemetry
+        self.pressure, self.catalog_log = pressure, catalog_log
+        self.fingerprint, self.geometry = fingerprint, fingerprint.geometry
+        self.block_keys, self.key_scheme = block_keys, key_scheme
+
+    # ---- a session's prompt -------------------------------------------------------------------
+    def record_session(self, session_id: str, namespace: bytes, keys: Sequence[bytes], num_tokens: int,
+                       token_ids: Sequence[int] | None = None) -> Session:
+        """Note the latest prompt of a session (its blocks, in order, and the token ids they cover)."""
+        validate_session_id(session_id)
+        sessions = self.table.sessions
+        session = sessions.get(session_id)
+        if session is None:
+            session = sessions[session_id] = Session(session_id, namespace)
+        old = session.keys
+        if len(keys) >= len(old):
+            grows = not old or keys[len(old) - 1] == old[-1]  # chained hashes: same last key, same prefix
+            session.keys = list(keys)
+            if token_ids is not None:
+                self._record_tokens(session, token_ids, extends=grows)
+        session.num_tokens = max(num_tokens, len(session.keys) * self.geometry.block_tokens)
+        session.last_use = time.time()
+        self.catalog_log.mark_changed(session_id)
+        rows = self.table.session_row_array(session)
+        if len(rows):  # every stored block of the session is on a prefix at least this long
+            reach = self.table.index.col["reach"]
+            reach[rows] = np.maximum(reach[rows], min(session.num_tokens, 0xFFFFFFFF))
+        return session
+
+    def _record_tokens(self, session: Session, token_ids: Sequence[int], extends: bool) -> None:
+        """Keep the token ids of the session's full blocks (appending only the new ones as it grows)."""
+        wanted = len(session.keys) * self.geometry.block_tokens
+        have = session.token_ids
+        if have is not None and extends and len(have) >= wanted:
+            return
+        start = len(have) if have is not None and extends else 0
+        if len(token_ids) < wanted:  # the caller knows fewer tokens than its blocks cover: keep what we had
+            return
+        new = np.asarray(token_ids[start:wanted], dtype=np.uint32)
+        session.token_ids = new if start == 0 else np.concatenate([have, new])
+        session.tokens_dirty = True
+
     # ---- pins ---------------------------------------------------------------------------------
-    def pin(self: "TierManager", session_id: str, tier: Tier = Tier.DRAM) -> Job | None:
+    def pin(self, session_id: str, tier: Tier = Tier.DRAM) -> Job | None:
         """Pin a session at ``tier``: never dropped, never below ``tier``, and durable: its DRAM-only
         blocks are written to NVMe now (a FLUSH job) and as it grows (stores marked ``durable``).
         Returns the PROMOTE job a DRAM pin needs (the flush then follows with the next maintenance),
         else the FLUSH job."""
         if tier not in (Tier.DRAM, Tier.NVME):
             raise UsageError(f"cannot pin to {tier.name.lower()}", hint="pin to dram or nvme")
-        session = self.session(session_id)
-        rows = self.session_rows(session)
-        flags = self.index.col["flags"]
+        session = self.table.session(session_id)
+        rows = self.table.session_rows(session)
+        flags = self.table.index.col["flags"]
         to_promote = [r for r in rows if tier == Tier.DRAM and not flags[r] & IN_DRAM]
         if to_promote:
-            spare = self.slots.free_slots + len(set(self.index.candidates(Tier.DRAM).tolist()) - set(rows))
+            spare = self.table.slots.free_slots + len(set(self.table.index.candidates(Tier.DRAM).tolist()) - set(rows))
             if len(to_promote) > spare:
-                need = len(to_promote) * self.slots.slot_bytes
+                need = len(to_promote) * self.table.slots.slot_bytes
                 raise CapacityError(
                     f"session {session_id} needs {need} more bytes of DRAM than can be freed",
                     hint="raise --dram, unpin another session, or pin it to nvme",
                 )
         session.pinned = tier
         self._recompute_pins(rows)
-        self._mark_changed(session_id)
-        flush = self.flush(session_id) if self.nvme_capacity else None
+        self.catalog_log.mark_changed(session_id)
+        flush = self.pressure.flush(session_id) if self.table.nvme.capacity else None
         if not to_promote:
             return flush
         if flush is not None:
-            self.queued.append(flush)
+            self.jobs.queue(flush)
         return self._promote_rows(to_promote, session_id)
 
-    def unpin(self: "TierManager", session_id: str) -> None:
-        session = self.session(session_id)
+    def unpin(self, session_id: str) -> None:
+        session = self.table.session(session_id)
         session.pinned = None
-        self._recompute_pins(self.session_rows(session))
-        self._mark_changed(session_id)
+        self._recompute_pins(self.table.session_rows(session))
+        self.catalog_log.mark_changed(session_id)
 
-    def _recompute_pins(self: "TierManager", rows: list[int]) -> None:
+    def _recompute_pins(self, rows: list[int]) -> None:
         """A block's pin is the hottest tier of any pinned session that contains it."""
-        pin = self.index.col["pin"]
+        pin = self.table.index.col["pin"]
         pin[rows] = 0
         wanted = set(rows)
-        for other in self.sessions.values():
+        for other in self.table.sessions.values():
             if other.pinned is None:
                 continue
-            for row in wanted.intersection(self.session_rows(other)):
+            for row in wanted.intersection(self.table.session_rows(other)):
                 pin[row] = other.pinned if pin[row] == 0 else min(pin[row], other.pinned)
 
-    def promote(self: "TierManager", session_id: str) -> Job | None:
+    def promote(self, session_id: str) -> Job | None:
         """Bring a session's NVMe-only blocks back into DRAM, as far as free slots allow."""
-        flags = self.index.col["flags"]
-        rows = [r for r in self.session_rows(self.session(session_id)) if not flags[r] & (IN_DRAM | PENDING)]
+        flags = self.table.index.col["flags"]
+        rows = [r for r in self.table.session_rows(self.table.session(session_id))
+                if not flags[r] & (IN_DRAM | PENDING)]
         return self._promote_rows(rows, session_id) if rows else None
 
-    def _promote_rows(self: "TierManager", rows: list[int], session_id: str | None) -> Job | None:
-        col = self.index.col
+    def _promote_rows(self, rows: list[int], session_id: str | None) -> Job | None:
+        col = self.table.index.col
         moves = []
         for row in rows:
-            self.index.ref([row], +1)
-            slot = self._allocate_slot()
+            self.table.index.ref([row], +1)
+            slot = self.table.allocate_slot()
             if slot is None:
-                self.index.ref([row], -1)
+                self.table.index.ref([row], -1)
                 break
             nbytes = int(col["nvme_nbytes"][row])
-            moves.append(self._move(row, dram_slot=slot, from_nvme=True, nbytes=nbytes,
-                                    codec=self.index.codecs[col["nvme_codec"][row]],
-                                    to_codec=self.warm_codec if nbytes > self.slots.slot_bytes else "",
+            moves.append(self.table.move(row, dram_slot=slot, from_nvme=True, nbytes=nbytes,
+                                    codec=self.table.index.codecs[col["nvme_codec"][row]],
+                                    to_codec=self.table.warm_codec if nbytes > self.table.slots.slot_bytes else "",
                                     first=bool(col["flags"][row] & FIRST)))
-        return self._new_job(JobKind.PROMOTE, moves=moves, session_id=session_id) if moves else None
+        return self.jobs.new_job(JobKind.PROMOTE, moves=moves, session_id=session_id) if moves else None
 
     # ---- evict --------------------------------------------------------------------------------
-    def evict(self: "TierManager", session_id: str, to: Tier | None) -> Job | None:
+    def evict(self, session_id: str, to: Tier | None) -> Job | None:
         """Move a session's blocks down to NVMe (``to=Tier.NVME``) or drop them (``to=None``).
 
         Blocks that another session shares or that a job is using stay where they are.
         """
-        session = self.session(session_id)
+        session = self.table.session(session_id)
         if session.pinned is not None:
             raise UsageError(f"session {session_id} is pinned", hint=f"`kvtier unpin {session_id}` first")
         if to not in (Tier.NVME, None):
             raise UsageError("evict moves a session to nvme or drops it", hint="use --to nvme or --to drop")
-        if to == Tier.NVME and not self.nvme_capacity:
+        if to == Tier.NVME and not self.table.nvme.capacity:
             raise UsageError("no NVMe tier is configured", hint="start kvtier serve with --nvme-dir and --nvme")
         rows = self._evictable_rows(session)
         session.hot = False
         if to == Tier.NVME:
-            return self._demote_rows([r for r in rows if self.index.col["flags"][r] & IN_DRAM], by_cost=False)
+            in_dram = [r for r in rows if self.table.index.col["flags"][r] & IN_DRAM]
+            return self.pressure.demote_rows(in_dram, by_cost=False)
         drops = []
         for row in rows:
-            flags = self.index.col["flags"]
+            flags = self.table.index.col["flags"]
             if flags[row] & IN_DRAM:
-                self._release_dram(row, evicted=False)
+                self.table.release_dram(row, evicted=False)
             if flags[row] & IN_NVME:
-                drops.append(self._release_nvme(row, evicted=False))
-            self._forget_if_homeless(row, "operator")
-        del self.sessions[session_id]
-        self._catalog_gone.add(session_id)
-        self._catalog_dirty.discard(session_id)
-        return self._new_job(JobKind.DROP, drops=drops, session_id=session_id) if drops else None
+                drops.append(self.table.release_nvme(row, evicted=False))
+            self.table.forget_if_homeless(row, "operator")
+        del self.table.sessions[session_id]
+        self.catalog_log.mark_gone(session_id)
+        return self.jobs.new_job(JobKind.DROP, drops=drops, session_id=session_id) if drops else None
 
-    def _evictable_rows(self: "TierManager", session: "Session") -> list[int]:
+    def _evictable_rows(self, session: Session) -> list[int]:
         shared: set[bytes] = set()
-        for other in self.sessions.values():
+        for other in self.table.sessions.values():
             if other is not session and other.namespace == session.namespace:
                 shared.update(other.keys)
-        col = self.index.col
-        return [r for r in self.session_rows(session)
+        col = self.table.index.col
+        return [r for r in self.table.session_rows(session)
                 if col["refs"][r] == 0 and col["pin"][r] == 0 and not col["flags"][r] & PENDING
-                and self.index.key_of(r)[1] not in shared]
+                and self.table.index.key_of(r)[1] not in shared]
 
     # ---- snapshot / restore -------------------------------------------------------------------
-    def prepare_snapshot(self: "TierManager", session_id: str, path: str, in_place: bool = False) -> Job:
+    def prepare_snapshot(self, session_id: str, path: str, in_place: bool = False) -> Job:
         """A SNAPSHOT job writing the session's stored prefix to ``path`` (``in_place``: a file a client
         handed over, written as it is -- see ``snapshot.SnapshotWriter``)."""
-        session = self.session(session_id)
-        rows = self.index.lookup(session.namespace, session.keys).tolist()
+        session = self.table.session(session_id)
+        rows = self.table.index.lookup(session.namespace, session.keys).tolist()
         if not rows:
             raise UsageError(f"session {session_id} has no stored blocks to snapshot",
                              hint="run a turn of the session first, or restore it from a snapshot")
-        col = self.index.col
+        col = self.table.index.col
         moves = []
         for position, row in enumerate(rows):
             in_dram = bool(col["flags"][row] & IN_DRAM)
             nbytes = int(col["dram_nbytes"][row] if in_dram else col["nvme_nbytes"][row])
             codec_col = "dram_codec" if in_dram else "nvme_codec"
-            moves.append(self._move(row, dram_slot=int(col["dram_slot"][row]) if in_dram else -1, nbytes=nbytes,
-                                    from_nvme=not in_dram, codec=self.index.codecs[col[codec_col][row]],
+            moves.append(self.table.move(row, dram_slot=int(col["dram_slot"][row]) if in_dram else -1, nbytes=nbytes,
+                                    from_nvme=not in_dram, codec=self.table.index.codecs[col[codec_col][row]],
                                     first=position == 0))
         # one codec per snapshot file: the blocks' own when they share one, else the cold tier's
         # (without its lossless layer, so every size is known before the file is laid out)
         codecs = {m.codec for m in moves}
-        target = codecs.pop() if len(codecs) == 1 else self.cold_codec.partition("+")[0]
+        target = codecs.pop() if len(codecs) == 1 else self.table.cold_codec.partition("+")[0]
         sizes = []  # as written to the file
         for move in moves:
             if move.codec != target:
                 move.to_codec = target
             sizes.append(get_codec(target).nbytes_for(self.geometry, move.first) if move.to_codec else move.nbytes)
-        self.index.ref(rows, +1)
+        self.table.index.ref(rows, +1)
         tokens = min(session.num_tokens, len(rows) * self.geometry.block_tokens)
-        token_ids = self.session_tokens(session)
+        token_ids = self.catalog_log.session_tokens(session)
         covered = len(rows) * self.geometry.block_tokens
         header = {"session_id": session_id, "namespace": session.namespace, "num_tokens": tokens,
                   "codec": target, "sizes": sizes, "key_scheme": self.key_scheme, "in_place": in_place,
                   "token_ids": token_ids[:covered].tolist() if token_ids is not None and len(token_ids) >= covered
                   else []}
-        return self._new_job(JobKind.SNAPSHOT, moves=moves, session_id=session_id, path=str(path), header=header)
+        return self.jobs.new_job(JobKind.SNAPSHOT, moves=moves, session_id=session_id, path=str(path), header=header)
 
-    def _complete_snapshot(self: "TierManager", job: Job, result: JobResult) -> None:
-        self.index.ref([m.row for m in job.moves], -1)
+    def complete_snapshot(self, job: Job, result: JobResult) -> None:
+        self.table.index.ref([m.row for m in job.moves], -1)
 
-    def max_snapshot_header(self: "TierManager") -> int:
+    def max_snapshot_header(self) -> int:
         """The largest snapshot header a session of this server can need (see ``snapshot.header_cap``)."""
         from kvtier.persist.snapshot import header_cap
 
-        blocks = self.slots.num_slots + self.nvme_capacity // max(1, self.geometry.block_bytes)
+        blocks = self.table.slots.num_slots + self.table.nvme.capacity // max(1, self.geometry.block_bytes)
         return header_cap(blocks, self.geometry.block_tokens)
 
-    def trusted_keys(self: "TierManager", info: "SnapshotInfo", cache_salt: str | None = None) -> list[bytes]:
+    def trusted_keys(self, info: "SnapshotInfo", cache_salt: str | None = None) -> list[bytes]:
         """The keys a snapshot's blocks go under here, recomputed from its token ids (see
         ``prepare_restore``); SnapshotError when the file cannot be trusted."""
         from kvtier.errors import SnapshotError
         from kvtier.plan.index import namespace_of
 
         def refuse(why: str, hint: str) -> SnapshotError:
-            self.counters["restores_refused_untrusted"] += 1
+            self.telemetry.count("restores_refused_untrusted")
             return SnapshotError(f"snapshot {info.path} refused: {why}", hint=hint, path=str(info.path))
 
         if info.namespace != namespace_of(self.fingerprint.digest, cache_salt):
@@ -212,7 +266,7 @@ class SessionOps:
                                  "restore only snapshots taken by a kvtier server; take a new one")
         return keys
 
-    def shared_entry_keys(self: "TierManager", entry: dict, cache_salt: str | None = None) -> tuple[bytes, list[bytes]]:
+    def shared_entry_keys(self, entry: dict, cache_salt: str | None = None) -> tuple[bytes, list[bytes]]:
         """(namespace, block keys) for a session another box published, the keys recomputed from its
         token ids with this engine's hash -- as for a snapshot, nothing the store says decides where
         KV goes. An entry of another tenant or model, without the token ids of its blocks, or whose
@@ -238,7 +292,7 @@ class SessionOps:
                                            "(forged or damaged entry)", hint="it is ignored; its next turn recomputes")
         return namespace, keys
 
-    def prepare_restore(self: "TierManager", info: "SnapshotInfo", tier: Tier = Tier.DRAM,
+    def prepare_restore(self, info: "SnapshotInfo", tier: Tier = Tier.DRAM,
                         cache_salt: str | None = None, require_signed: bool = False) -> Job | None:
         """A RESTORE job bringing a snapshot's missing blocks into DRAM (overflow: NVMe) or NVMe.
 
@@ -273,37 +327,37 @@ class SessionOps:
             return None
         # require_signed: every rank's file must be signed by a trusted key (the admin API checked
         # rank 0's; the worker checks its own shard before reading it)
-        return self._new_job(JobKind.RESTORE, moves=moves, drops=drops, session_id=info.session_id,
+        return self.jobs.new_job(JobKind.RESTORE, moves=moves, drops=drops, session_id=info.session_id,
                              path=str(info.path), header={"require_signed": require_signed})
 
-    def _plan_incoming(self: "TierManager", namespace: bytes, keys: Sequence[bytes], sizes: Sequence[int],
+    def _plan_incoming(self, namespace: bytes, keys: Sequence[bytes], sizes: Sequence[int],
                        codec: str, tier: Tier, start: int = 0, shared: bool = False) -> tuple[list, list]:
         """Moves bringing blocks this engine lacks into DRAM (overflow: NVMe) or NVMe, their rows
         added PENDING (a snapshot's or the shared store's: ``shared``); stops where neither has room.
         ``start``: the position of ``keys[0]`` in its sequence."""
         moves, drops = [], []
         for position, (key, nbytes) in enumerate(zip(keys, sizes)):
-            if self.index.row_of(namespace, key) is not None:
+            if self.table.index.row_of(namespace, key) is not None:
                 continue
-            fits = nbytes <= self.slots.slot_bytes
-            slot = self._allocate_slot() if tier == Tier.DRAM and (fits or not self.nvme_capacity) else None
+            fits = nbytes <= self.table.slots.slot_bytes
+            slot = self.table.allocate_slot() if tier == Tier.DRAM and (fits or not self.table.nvme.capacity) else None
             to_nvme = slot is None
-            to_codec = self.warm_codec if not to_nvme and not fits else ""  # re-encoded to fit a slot
+            to_codec = self.table.warm_codec if not to_nvme and not fits else ""  # re-encoded to fit a slot
             size = 0
             if to_nvme:
                 size = file_bytes_for(nbytes)
-                if not self.nvme_capacity or not self._make_nvme_room(size, drops):
+                if not self.table.nvme.capacity or not self.pressure.make_nvme_room(size, drops):
                     break
-                self._nvme_used += size
+                self.table.nvme.reserve(size)
             first = start + position == 0
             flags = PENDING | (IN_NVME if to_nvme else IN_DRAM) | (FIRST if first else 0)
-            row = self.index.add(namespace, key, flags, dram_slot=-1 if to_nvme else slot)
-            moves.append(self._move(row, dram_slot=-1 if to_nvme else slot, nbytes=nbytes, codec=codec,
+            row = self.table.index.add(namespace, key, flags, dram_slot=-1 if to_nvme else slot)
+            moves.append(self.table.move(row, dram_slot=-1 if to_nvme else slot, nbytes=nbytes, codec=codec,
                                     to_nvme=to_nvme, position=position, first=first, to_codec=to_codec,
                                     reserved=size, from_shared=shared))
         return moves, drops
 
-    def prepare_fetch(self: "TierManager", namespace: bytes, keys: Sequence[bytes], sizes: Sequence[int],
+    def prepare_fetch(self, namespace: bytes, keys: Sequence[bytes], sizes: Sequence[int],
                       tier: Tier = Tier.DRAM, start: int = 0, session_id: str | None = None) -> Job | None:
         """A FETCH job bringing blocks another box published in the shared store into DRAM (overflow:
         NVMe) or NVMe. ``keys`` are this engine's own (a lookup of a request's prefix, or recomputed
@@ -312,136 +366,24 @@ class SessionOps:
         moves, drops = self._plan_incoming(namespace, keys, sizes, "", tier, start=start, shared=True)
         if not moves and not drops:
             return None
-        return self._new_job(JobKind.FETCH, moves=moves, drops=drops, session_id=session_id)
+        return self.jobs.new_job(JobKind.FETCH, moves=moves, drops=drops, session_id=session_id)
 
-    def _complete_restore(self: "TierManager", job: Job, result: JobResult) -> None:
+    def complete_restore(self, job: Job, result: JobResult) -> None:
         failed = result.failed_positions(job)
         for i, move in enumerate(job.moves):
             row = move.row
             if i in failed:
                 if move.to_nvme:
-                    self._nvme_used -= move.reserved
+                    self.table.nvme.release(move.reserved)
                 else:
-                    self.slots.free(move.dram_slot)
-                self.index.abandon(row)
+                    self.table.slots.free(move.dram_slot)
+                self.table.index.abandon(row)
                 continue
-            self.index.settled(row)
+            self.table.index.settled(row)
             tier = Tier.NVME if move.to_nvme else Tier.DRAM
             if move.to_nvme:
-                self.index.now_in_nvme(row, move.nbytes, move.codec)
+                self.table.index.now_in_nvme(row, move.nbytes, move.codec)
             else:
-                self.index.now_in_dram(row, move.dram_slot, move.nbytes, move.codec, dirty=True)
+                self.table.index.now_in_dram(row, move.dram_slot, move.nbytes, move.codec, dirty=True)
             self.policies[tier].on_insert(row, (move.namespace, move.key))
-            self.counters["fetched_blocks" if job.kind == JobKind.FETCH else "restored_blocks"] += 1
-
-    # ---- views --------------------------------------------------------------------------------
-    def session_info(self: "TierManager", session_id: str) -> dict[str, Any]:
-        return self.sessions_overview([self.session(session_id).session_id])[0]
-
-    def _session_counts(self: "TierManager", sessions: "list[Session]") -> dict[str, np.ndarray]:
-        """Per session: blocks and bytes held complete in DRAM and on NVMe (vectorised)."""
-        per_session = [self.session_row_array(session) for session in sessions]
-        col = self.index.col
-        idx = np.concatenate(per_session) if per_session else np.zeros(0, np.int64)
-        who = np.repeat(np.arange(len(sessions), dtype=np.int64), [len(rows) for rows in per_session])
-        flags = col["flags"][idx]
-        complete = (flags & PENDING) == 0
-        in_dram = complete & ((flags & IN_DRAM) != 0)
-        in_nvme = complete & ((flags & IN_NVME) != 0)
-
-        def count(weights) -> np.ndarray:
-            return np.bincount(who, weights=weights, minlength=len(sessions)).astype(np.int64)
-
-        shards = self.fingerprint.shards  # bytes are the box's: every rank holds a shard of each block
-        return {"blocks_dram": count(in_dram), "blocks_nvme": count(in_nvme), "blocks_both": count(in_dram & in_nvme),
-                "bytes_dram": count(col["dram_nbytes"][idx] * in_dram) * shards,
-                "bytes_nvme": count(col["nvme_nbytes"][idx] * in_nvme) * shards}
-
-    def sessions_overview(self: "TierManager", session_ids: "list[str] | None" = None) -> list[dict[str, Any]]:
-        """``session_info`` for many sessions at once (vectorised: 1,000 sessions in a few ms)."""
-        ids = list(self.sessions) if session_ids is None else session_ids
-        sessions = [self.sessions[s] for s in ids]
-        counts = {name: values.tolist() for name, values in self._session_counts(sessions).items()}
-        now = time.time()
-        state = self.session_state
-        block_tokens = self.geometry.block_tokens
-        return [{
-            "session_id": session.session_id,
-            "state": state(session, dram, nvme),
-            # what a next turn can load: the tokens of its full stored blocks, for a session read back
-            # from the catalog as for one served here (its last prompt's length is prompt_tokens)
-            "tokens": min(session.num_tokens, session.num_blocks * block_tokens),
-            "prompt_tokens": session.num_tokens,
-            "blocks": session.num_blocks,
-            "blocks_missing": max(0, session.num_blocks - dram - nvme + both),
-            "blocks_dram": dram,
-            "blocks_nvme": nvme,
-            "bytes_dram": b_dram,
-            "bytes_nvme": b_nvme,
-            "pinned": session.pinned.name.lower() if session.pinned is not None else None,
-            "last_use": session.last_use,
-            "idle_seconds": max(0.0, now - session.last_use),
-        } for session, dram, nvme, both, b_dram, b_nvme in zip(
-            sessions, counts["blocks_dram"], counts["blocks_nvme"], counts["blocks_both"], counts["bytes_dram"],
-            counts["bytes_nvme"])]
-
-    def session_state_counts(self: "TierManager") -> dict[str, int]:
-        """How many sessions are in each state (``session_state``), without building the rows."""
-        sessions = list(self.sessions.values())
-        counts = self._session_counts(sessions)
-        dram, nvme = counts["blocks_dram"], counts["blocks_nvme"]
-        pinned = np.fromiter((s.pinned is not None for s in sessions), bool, len(sessions))
-        hot = np.fromiter((s.hot for s in sessions), bool, len(sessions))
-        warm = (dram > 0) & (dram >= nvme)
-        states = np.select([pinned, hot, warm, nvme > 0], [0, 1, 2, 3], 4)
-        found = np.bincount(states, minlength=5).tolist()
-        return dict(zip(SESSION_STATES, found))
-
-    def session_state(self: "TierManager", session: "Session", in_dram: int, in_nvme: int) -> str:
-        # keep in step with session_state_counts
-        if session.pinned is not None:
-            return "pinned"
-        if session.hot:
-            return "hot"
-        if in_dram and in_dram >= in_nvme:
-            return "warm"
-        if in_nvme:
-            return "cold"
-        return "gone"
-
-    def tokens_per_gib(self: "TierManager") -> dict[str, int]:
-        """How many tokens of KV one GiB holds in each tier, with its codec (HBM: vLLM's KV dtype)."""
-        geometry = self.geometry
-        cold = get_codec(self.cold_codec)
-        on_disk = cold.nbytes_for(geometry)
-        if on_disk is None:  # zstd: the average of what is stored, else the worst case
-            in_nvme = (self.index.col["flags"] & IN_NVME) != 0
-            on_disk = int(self.index.col["nvme_nbytes"][in_nvme].mean()) if in_nvme.any() else cold.max_bytes(geometry)
-        per_block = {"hbm": geometry.block_bytes, "dram": self.slots.slot_bytes, "nvme": file_bytes_for(on_disk)}
-        shards = self.fingerprint.shards  # a token's KV spans every rank's shard
-        return {tier: int((1 << 30) * geometry.block_tokens // (size * shards)) for tier, size in per_block.items()}
-
-    def _fingerprint_view(self: "TierManager") -> dict[str, Any]:
-        view = self.__dict__.get("_fingerprint_dict")
-        if view is None:  # the fingerprint never changes; its dict costs a deepcopy to build
-            view = self.__dict__["_fingerprint_dict"] = self.fingerprint.to_dict()
-        return {**view, "geometry": dict(view["geometry"])}
-
-    def stats(self: "TierManager") -> dict[str, Any]:
-        capacity = self.tokens_per_gib()
-        shards = self.fingerprint.shards  # the box's bytes: the budgets are split across the ranks
-        return {
-            "fingerprint": self._fingerprint_view(),
-            "hbm": {"kv_dtype": self.geometry.dtype, "tokens_per_gib": capacity["hbm"]},
-            "dram": {"used_bytes": self.slots.used_bytes * shards, "capacity_bytes": self.slots.capacity_bytes * shards,
-                     "blocks": int(((self.index.col["flags"] & IN_DRAM) != 0).sum()),
-                     "codec": self.warm_codec, "tokens_per_gib": capacity["dram"]},
-            "nvme": {"used_bytes": self._nvme_used * shards, "capacity_bytes": self.nvme_capacity * shards,
-                     "blocks": int(((self.index.col["flags"] & IN_NVME) != 0).sum()),
-                     "codec": self.cold_codec, "tokens_per_gib": capacity["nvme"]},
-            "dirty": self.dirty_stats(),
-            "sessions": len(self.sessions),
-            "jobs_in_flight": len(self.jobs),
-            "counters": dict(self.counters),
-            "warnings": dict(self.warnings),
-        }
+            self.telemetry.count("fetched_blocks" if job.kind == JobKind.FETCH else "restored_blocks")

@@ -1,25 +1,18 @@
-"""What the NVMe tier's modules share: the on-disk names and sizes, a segment and a batch item as
-the store tracks them, per-thread IO buffers, and the helpers that group records into large IOs."""
+"""What the NVMe tier's modules share: the on-disk names and sizes, a batch item as the store moves
+it, the helpers that group records into large IOs, and the one mapping of a failed IO to the error
+the tier reports."""
 from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Iterator
 
-from kvtier.tiers.dram import PAGE, round_up
+from kvtier.errors import StorageError, StorageFullError
 from kvtier.tiers.nvme.journal import Extent
-from kvtier.tiers.records import (
-    HEADER_BYTES,
-    file_bytes_for,
-)
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
+from kvtier.tiers.records import file_bytes_for
 
 __all__ = ["BlockRecord", "Name", "SEGMENT_BYTES", "IO_BYTES"]
 
@@ -43,21 +36,6 @@ class BlockRecord:
 
 
 @dataclass(slots=True)
-class _Segment:
-    id: int
-    path: Path
-    end: int = 0  # where the next record goes (the file's size once sealed)
-    live: int = 0  # bytes of records the index names
-    sealed: bool = True
-    legacy: bool = False  # an old-layout block file: one record at offset 0, never appended to
-    pending: int = 0  # records placed here and not yet committed or failed
-
-    @property
-    def idle_and_empty(self) -> bool:
-        return self.live <= 0 and self.pending == 0 and (self.sealed or self.legacy)
-
-
-@dataclass(slots=True)
 class _Item:
     """One block of a batch on its way to or from disk."""
 
@@ -69,27 +47,25 @@ class _Item:
     data: memoryview | None = None  # write: the payload's bytes
     window: memoryview | None = None  # its page-aligned, page-padded bytes in place (no bounce copy)
 
+    @property
+    def name(self) -> Name:
+        return self.namespace, self.key
+
+    @property
+    def record_bytes(self) -> int:
+        return file_bytes_for(self.extent.nbytes)
 
 
-class _ThreadBuffers(threading.local):
-    """Per IO thread: aligned header pages and a growable aligned bounce buffer (reused: a fresh
-    mmap per IO would cost its page faults every time)."""
-
-    def __init__(self) -> None:
-        self.headers = mmap.mmap(-1, MAX_RECORDS_PER_IO * HEADER_BYTES)
-        self.bounce = mmap.mmap(-1, PAGE)
-
-    def bounce_of(self, size: int) -> mmap.mmap:
-        if len(self.bounce) < size:
-            self.bounce = mmap.mmap(-1, round_up(size))
-        return self.bounce
-
-
-def _captured(fn: Callable[..., Any], *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception as exc:  # noqa: BLE001 - reported per IO to the batch's caller
-        return exc
+def storage_error(exc: BaseException, what: str, root: Path) -> BaseException:
+    """The exception a failed IO under ``root`` is reported as (a full disk is its own kind)."""
+    if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+        full = StorageFullError(f"NVMe tier: no space left on the device holding {root}",
+                                hint="free disk space or lower --nvme; earlier blocks are intact")
+        full.__cause__ = exc
+        return full
+    if isinstance(exc, OSError):
+        return StorageError(f"NVMe tier: {what} failed: {exc.strerror or exc}")
+    return exc
 
 
 def _nbytes(payload: Any) -> int:

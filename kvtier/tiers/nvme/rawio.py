@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+from kvtier.tiers.records import probe_direct_io
+
 __all__ = ["RawDirectIO", "drop_page_cache"]
 
 
@@ -54,8 +56,6 @@ class RawDirectIO:
 
 
 def _direct_flag(directory: Path) -> int:
-    from kvtier.tiers.nvme.store import probe_direct_io
-
     return os.O_DIRECT if probe_direct_io(directory) else 0
 
 

@@ -3,23 +3,31 @@
 * ``rebuild_index``: every verified record of every segment (the journal lost or unreadable);
 * ``find_holes`` / ``in_hole``: the punched-out ranges of a segment (an entry naming one is stale);
 * ``legacy_block_files``: the block files of the layout before segments;
-* ``read_record``: one whole record, verified (compaction copies records as they are).
+* ``read_record``: one whole record, verified (compaction copies records as they are);
+* ``ShardRecovery``: a shard's start-up with these: the journal replayed (or rebuilt), checked
+  against the segments, the segment space loaded, and (for a writer) what no entry names cleaned.
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from kvtier.errors import CorruptBlockError
 from kvtier.tiers.dram import PAGE
-from kvtier.tiers.nvme.journal import Extent
+from kvtier.tiers.nvme.journal import Extent, Journal
+from kvtier.tiers.nvme.parts import _SEGMENT_NAME, Name
+from kvtier.tiers.nvme.parts import log as store_log
+from kvtier.tiers.nvme.space import Segment, SegmentSpace
 from kvtier.tiers.records import HEADER_BYTES, checksum, file_bytes_for, unpack_header
 
-__all__ = ["rebuild_index", "find_holes", "in_hole", "legacy_block_files", "read_record"]
+__all__ = ["rebuild_index", "find_holes", "in_hole", "legacy_block_files", "read_record", "ShardRecovery",
+           "Recovered"]
 
 log = logging.getLogger(__name__)
 
@@ -134,3 +142,135 @@ def next_data(fd: int, offset: int, size: int) -> int:
         return size if exc.errno == errno.ENXIO else offset
     return max(offset, found - found % PAGE)
 
+
+
+@dataclass
+class Recovered:
+    """What a shard's start-up found."""
+
+    extents: dict[Name, Extent] = field(default_factory=dict)  # the index: every block to serve
+    removed: int = 0  # damaged or lost records dropped (a crash cannot leave one; a disk can)
+    rebuilt: bool = False  # the journal was missing or unreadable: rebuilt from the segments
+
+
+class ShardRecovery:
+    """Start-up of the shard under ``root``: replay ``journal`` (or rebuild it from the segments),
+    drop entries the segments no longer hold, adopt the old layout's block files, and load
+    ``space``. Unless ``readonly``, also clean up: the journal made to match, the ranges no entry
+    names punched, segments nothing names deleted."""
+
+    def __init__(self, root: Path, journal: Journal, space: SegmentSpace, rank: int, readonly: bool):
+        self._root = root
+        self._journal = journal
+        self._space = space
+        self._rank = rank
+        self._readonly = readonly
+
+    def run(self) -> Recovered:
+        found = Recovered()
+        files = self._segment_files()
+        live = self._replay(files, found)
+        sizes = {}
+        for seg_id, path in files.items():
+            with contextlib.suppress(OSError):
+                sizes[seg_id] = path.stat().st_size
+        dropped = self._lost(live, files, sizes)
+        found.removed += len(dropped)
+        segments = {seg_id: Segment(seg_id, path, end=sizes.get(seg_id, 0)) for seg_id, path in files.items()}
+        for ext in live.values():
+            segments[ext.segment].live += file_bytes_for(ext.nbytes)
+        next_id = max([*files, *(e.segment for e in live.values()), 0]) + 1
+        self._adopt_legacy(live, segments, found)
+        self._space.load(segments.values(), next_id)
+        found.extents = live
+        if not self._readonly:
+            self._clean(live, dropped)
+        return found
+
+    def _segment_files(self) -> dict[int, Path]:
+        found = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self._space.seg_dir):
+                match = _SEGMENT_NAME.match(entry.name)
+                if match:
+                    found[int(match.group(1))] = Path(entry.path)
+                elif entry.name.endswith(".tmp"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+        return found
+
+    def _replay(self, files: dict[int, Path], found: Recovered) -> dict[Name, Extent]:
+        """The journal's entries, or the segments' records when it is missing or unreadable."""
+        live = self._journal.replay(repair=not self._readonly)
+        if live is None and files:
+            why = "unreadable" if self._journal.exists() else "missing"
+            store_log.warning("NVMe tier: the index of %s is %s; rebuilding it from %d segment files", self._root,
+                              why, len(files))
+            if not self._readonly:
+                self._journal.move_aside(why)
+            live, damaged = rebuild_index(files, self._rank)
+            found.removed += damaged
+            found.rebuilt = True
+            if not self._readonly:
+                self._journal.rewrite(live)
+        if self._journal.damaged:  # a block whose entry is damaged is not trusted: as if dropped
+            store_log.warning("NVMe tier: %d damaged index entries skipped in %s", self._journal.damaged,
+                              self._journal.path)
+            found.removed += self._journal.damaged
+        return live or {}
+
+    def _lost(self, live: dict[Name, Extent], files: dict[int, Path], sizes: dict[int, int]) -> list[Name]:
+        """Entries pointing past their segment's end or into a hole (the disk lost them): removed
+        from ``live`` and returned."""
+        holes = {seg_id: find_holes(path, sizes[seg_id]) for seg_id, path in files.items() if seg_id in sizes}
+        dropped = [name for name, ext in live.items()
+                   if ext.segment not in sizes or ext.offset % PAGE
+                   or ext.offset + file_bytes_for(ext.nbytes) > sizes[ext.segment]
+                   or in_hole(holes[ext.segment], ext.offset, file_bytes_for(ext.nbytes))]
+        for name in dropped:
+            del live[name]
+        if dropped:
+            store_log.warning("NVMe tier: %d indexed blocks in %s are missing from their segments; dropped",
+                              len(dropped), self._root)
+        return dropped
+
+    def _adopt_legacy(self, live: dict[Name, Extent], segments: dict[int, Segment], found: Recovered) -> None:
+        """Serve the old layout's block files as they are: each is a one-record segment with a
+        negative id. Truncated ones, and ones a segment record supersedes, are removed."""
+        legacy_dir = self._root / "blocks"
+        legacy_id = 0
+        for namespace, key, nbytes, path, size in legacy_block_files(legacy_dir):
+            if size != file_bytes_for(nbytes) or (namespace, key) in live:
+                if not self._readonly:
+                    path.unlink(missing_ok=True)
+                found.removed += size != file_bytes_for(nbytes)
+                continue
+            legacy_id -= 1
+            segments[legacy_id] = Segment(legacy_id, path, end=size, live=size, legacy=True)
+            live[(namespace, key)] = Extent(legacy_id, 0, nbytes, "")
+        if legacy_id:
+            store_log.info("NVMe tier: serving %d block files of the previous layout from %s", -legacy_id,
+                           legacy_dir)
+
+    def _clean(self, live: dict[Name, Extent], dropped: list[Name]) -> None:
+        """A writer's start: the journal made to match, what no entry names given back."""
+        self._remove_old_temp_files()
+        if dropped:
+            self._journal.append([], dropped)
+        if self._journal.wants_rewrite(len(live)):
+            self._journal.rewrite({n: e for n, e in live.items() if e.segment > 0})
+        named: dict[int, list[tuple[int, int]]] = {}  # segment -> (offset, end) of its records, one pass
+        for ext in live.values():
+            named.setdefault(ext.segment, []).append((ext.offset, ext.offset + file_bytes_for(ext.nbytes)))
+        for segment in list(self._space.segments.values()):
+            if not segment.legacy:
+                self._space.clean(segment, sorted(named.get(segment.id, ())))
+
+    def _remove_old_temp_files(self) -> None:
+        """The previous layout wrote blocks under ``tmp/`` first: a crash could leave some."""
+        old = self._root / "tmp"
+        if old.is_dir():
+            for leftover in old.iterdir():
+                leftover.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                old.rmdir()
