@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import stat
 import threading
-import time
 
 import pytest
 from conftest import make_engine
@@ -16,6 +16,16 @@ from typer.testing import CliRunner
 from kvtier.cli.main import app
 from kvtier.control.client import AdminClient
 from kvtier.control.local import LocalAdmin
+from kvtier.control.wire import (
+    MAX_BODY,
+    MAX_HEAD,
+    Head,
+    RequestError,
+    body_length,
+    check_auth,
+    parse_head,
+    split_head,
+)
 from kvtier.plan.index import chain_block_hashes, namespace_of
 
 runner = CliRunner()
@@ -202,9 +212,7 @@ def test_connections_are_capped_and_idle_ones_cost_no_thread(server):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(server.sock)
             idle.append(s)
-        deadline = time.monotonic() + 10
-        while threading.active_count() < threads + MAX_CONNECTIONS and time.monotonic() < deadline:
-            time.sleep(0.02)
+        assert server.server.wait_connections(MAX_CONNECTIONS)  # every one accepted and holding a slot
         refused = []
         for _ in range(200):  # beyond the cap: a 503 at once, and no new thread
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -217,14 +225,128 @@ def test_connections_are_capped_and_idle_ones_cost_no_thread(server):
     finally:
         for s in idle:
             s.close()
-    deadline = time.monotonic() + 10
-    while True:  # the slots come back as the idle connections close
+    assert server.server.wait_connections(0)  # the slots come back as the idle connections close
+    assert AdminClient(server.sock).get("/v1/status")["tiers"]["dram"]["blocks"] == 6
+
+
+# ---- the head parser alone: bytes in, a Head or a RequestError out, no socket ----------------------
+@pytest.mark.parametrize("data, head", [
+    (b"GET /v1/status HTTP/1.1", Head("GET", "/v1/status", "HTTP/1.1", {}, True)),
+    (b"\r\n\r\nGET /v1/tiers HTTP/1.1\r\nHost: x", Head("GET", "/v1/tiers", "HTTP/1.1", {"host": "x"}, True)),
+    (b"POST /v1/flush HTTP/1.1\r\nContent-LENGTH: \t2 \r\nConnection: Close",
+     Head("POST", "/v1/flush", "HTTP/1.1", {"content-length": "2", "connection": "Close"}, False)),
+    (b"GET /metrics HTTP/1.0", Head("GET", "/metrics", "HTTP/1.0", {}, False)),
+    (b"GET /metrics HTTP/1.0\r\nConnection: keep-alive",
+     Head("GET", "/metrics", "HTTP/1.0", {"connection": "keep-alive"}, True)),
+    (b"GET /a?b=%2F HTTP/1.1\r\nX-A: 1\r\nx-a: 2", Head("GET", "/a?b=%2F", "HTTP/1.1", {"x-a": "2"}, True)),
+])
+def test_parse_head_reads_the_request_line_and_fields(data, head):
+    assert parse_head(data) == head
+
+
+@pytest.mark.parametrize("data, status, text", [
+    (b"", 400, "malformed request line"),
+    (b"GARBAGE", 400, "malformed request line"),
+    (b"GET  /v1/status HTTP/1.1", 400, "malformed request line"),
+    (b"GET v1/status HTTP/1.1", 400, "malformed request line"),
+    (b"GET /v1/status HTTP/2.0", 505, "unsupported protocol"),
+    (b"GET /v1/status HTTP/1.1\r\nno-colon-here", 400, "malformed header line"),
+    (b"GET /v1/status HTTP/1.1\r\nX-A: b\r\n folded: continuation", 400, "malformed header line"),
+    (b"GET /v1/status HTTP/1.1\r\nX-A: b\nX-B: c", 400, "malformed header line"),  # a bare LF is no line end
+    (b"GET /v1/status HTTP/1.1\r\nHost: a\r\nhost: b", 400, "duplicate host header"),
+    (b"GET /v1/status HTTP/1.1\r\nX-Big: " + b"a" * MAX_HEAD, 431, "too large"),
+])
+def test_parse_head_refuses_with_the_status_to_answer(data, status, text):
+    with pytest.raises(RequestError) as err:
+        parse_head(data)
+    assert err.value.status == status and text in err.value.message
+
+
+def test_framing_auth_and_length_decisions_from_the_head_alone():
+    assert split_head(b"GET / HTTP/1.1\r\nHost: x\r\n") is None  # more is needed
+    assert split_head(b"GET / HTTP/1.1\r\n\r\nGET /next") == (b"GET / HTTP/1.1", b"GET /next")
+    with pytest.raises(RequestError) as err:
+        split_head(b"a" * (MAX_HEAD + 1))
+    assert err.value.status == 431
+    head = parse_head(b"POST /v1/flush HTTP/1.1\r\nAuthorization: Bearer t0k\r\nContent-Length: 12")
+    assert body_length(head) == 12 and body_length(parse_head(b"GET / HTTP/1.1")) is None
+    check_auth(head, b"Bearer t0k")
+    check_auth(head, None)  # the Unix socket: no token
+    for expected in (b"Bearer other", b"Bearer t0k2"):
+        with pytest.raises(RequestError) as err:
+            check_auth(head, expected)
+        assert err.value.status == 401
+    for field, status in ((b"Transfer-Encoding: chunked", 411), (b"Content-Length: +2", 400),
+                          (b"Content-Length: \xb2", 400), (b"Content-Length: %d" % (MAX_BODY + 1), 413)):
+        with pytest.raises(RequestError) as err:
+            body_length(parse_head(b"POST /v1/flush HTTP/1.1\r\n" + field))
+        assert err.value.status == status
+
+
+_FUZZ_SEEDS = [
+    b"GET /v1/status HTTP/1.1\r\nHost: x",
+    b"POST /v1/sessions/agent-1/pin HTTP/1.1\r\nContent-Length: 16\r\nExpect: 100-continue",
+    b"GET /v1/tiers HTTP/1.0\r\nConnection: keep-alive\r\nAuthorization: Bearer t",
+    b"\r\nPOST /v1/flush HTTP/1.1\r\nTransfer-Encoding: chunked\r\nX-A: \tb ",
+]
+_FUZZ_BYTES = b"\r\n \t:/\x00\x01\x7f\x80\xff\xb2HTPGE1.09-+aZ%?"
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        pick = rng.randrange(8)
+        at = rng.randint(0, len(out))
+        if pick == 0 and out:  # flip a byte
+            out[min(at, len(out) - 1)] = rng.randrange(256)
+        elif pick == 1:  # insert a few interesting bytes
+            out[at:at] = bytes(rng.choice(_FUZZ_BYTES) for _ in range(rng.randint(1, 3)))
+        elif pick == 2:  # cut a slice
+            del out[at:at + rng.randint(1, 12)]
+        elif pick == 3:  # a line break, a fold or a blank line where none belongs
+            out[at:at] = rng.choice([b"\r\n", b"\n", b"\r", b"\r\n ", b"\r\n\t", b"\r\n\r\n"])
+        elif pick == 4:  # a duplicated or extra header
+            out += rng.choice([b"\r\nContent-Length: 2", b"\r\nHost: y", b"\r\nX-A: b", b"\r\n: empty"])
+        elif pick == 5:  # another protocol version
+            out = bytearray(bytes(out).replace(b"HTTP/1.", rng.choice([b"HTTP/2.", b"HTTP/1.", b"http/1.", b"HTTP/"])))
+        elif pick == 6:  # oversize
+            out += b"\r\nX-Pad: " + b"p" * rng.choice([MAX_HEAD - len(out) - 9, MAX_HEAD, 2 * MAX_HEAD])
+        else:  # random bytes, start to end
+            out = bytearray(rng.randbytes(rng.randint(0, 64)))
+    return bytes(out)
+
+
+def test_parse_head_fuzz_gives_a_head_or_a_request_error_and_nothing_else():
+    rng = random.Random(0x6B76)
+    refused: dict[int, int] = {}
+    accepted = 0
+    for _ in range(4000):
+        data = _mutate(rng, rng.choice(_FUZZ_SEEDS))
         try:
-            assert AdminClient(server.sock).get("/v1/status")["tiers"]["dram"]["blocks"] == 6
-            break
-        except Exception:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+            head = parse_head(data)
+        except RequestError as exc:  # anything else escapes and fails the test
+            assert exc.status in (400, 431, 505) and exc.message
+            refused[exc.status] = refused.get(exc.status, 0) + 1
+            continue
+        accepted += 1
+        assert isinstance(head, Head) and len(data) <= MAX_HEAD
+        assert head.target.startswith("/") and head.version in ("HTTP/1.1", "HTTP/1.0")
+        assert all(k == k.lower() and ":" not in k for k in head.headers)
+        assert not any(c in v for v in head.headers.values() for c in "\r\n\x00")
+        for decide in (lambda: body_length(head), lambda: check_auth(head, b"Bearer t")):
+            try:
+                size = decide()
+            except RequestError as exc:
+                assert exc.status in (400, 401, 411, 413)
+            else:
+                assert size is None or 0 <= size <= MAX_BODY
+        try:
+            framed = split_head(data + b"\r\n\r\n")
+        except RequestError as exc:
+            assert exc.status == 431
+        else:
+            assert framed is not None
+    assert accepted > 100 and set(refused) == {400, 431, 505}, (accepted, refused)
 
 
 def exchange(sock_path: str, data: bytes, answers: int) -> list[tuple[int, bytes, bytes]]:

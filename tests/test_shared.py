@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from conftest import make_engine
+from support.clock import FakeClock
 
 from kvtier.plan.index import chain_block_hashes, namespace_of
 
@@ -21,14 +22,8 @@ if shutil.which("redis-server") is None and shutil.which("valkey-server") is Non
 
 from kvtier.bench.redisproc import RedisServer, start_cluster  # noqa: E402
 from kvtier.errors import ConfigError, UsageError  # noqa: E402
-from kvtier.tiers.shared.store import (  # noqa: E402
-    SharedConfig,
-    SharedStore,
-    SharedUnavailable,
-    block_key,
-    load_credentials,
-    parse_shared_url,
-)
+from kvtier.tiers.shared.config import SharedConfig, load_credentials, parse_shared_url  # noqa: E402
+from kvtier.tiers.shared.store import SharedStore, SharedUnavailable, block_key  # noqa: E402
 
 
 @pytest.fixture
@@ -82,7 +77,6 @@ def test_the_tiers_behind_dram_share_one_interface(tmp_path):
         assert isinstance(SharedStore(SharedConfig("redis://127.0.0.1:1/0")), BlockStore)
     finally:
         nvme.close()
-
 
 
 def test_urls_are_checked_and_a_password_in_one_is_refused():
@@ -247,18 +241,63 @@ def test_a_store_that_is_down_paused_or_restarted_costs_nothing_and_recovers(fin
             fetched, took = _timed(lambda: b.fetch(ns, keys))
             assert fetched == 0 and took < 0.05  # inside the back-off: not even tried
             redis_server.start() if fault == "stop" else redis_server.resume()
-            time.sleep(8.5)  # the longest back-off
+            a.shared.retry_now(), b.shared.retry_now()  # the back-off over (its timing: the FakeClock test)
             tokens, keys = session(start=1000 if fault == "stop" else 2000)
             assert a.store(f"s2-{fault}", ns, keys, list(range(6)), len(tokens), token_ids=tokens) == 6
-            a.mover.publisher.drain()
-            deadline = time.monotonic() + 10
-            while b.fetch(ns, keys) != 6 and time.monotonic() < deadline:
-                time.sleep(0.5)
+            assert a.mover.publisher.drain()
+            assert b.fetch(ns, keys) == 6
             assert b.shared.state == "ok" and a.shared.state == "ok"
             assert b.shared.counters["recoveries"] >= 1
     finally:
         redis_server.resume()
         a.close(), b.close()
+
+
+def test_the_back_off_doubles_to_its_longest_and_ends_on_the_clock(tmp_path):
+    clock = FakeClock()
+    with RedisServer(tmp_path / "redis") as server:
+        store = SharedStore(SharedConfig(server.url, timeout_s=0.3), clock=clock)
+        store.ping()
+        server.stop()
+        for delay in (0.5, 1.0, 2.0, 4.0, 8.0, 8.0):  # BACKOFF_MIN_S doubling to BACKOFF_MAX_S
+            pytest.raises(SharedUnavailable, store.ping)  # tried: the store is gone
+            clock.advance(delay - 0.01)
+            assert store.state == "down" and "unreachable" in store.problem and not store.available
+            clock.advance(0.01)
+            assert store.available
+        assert store.counters["errors"] == 6
+        server.start()
+        assert store.ping() > 0 and store.state == "ok" and store.counters["recoveries"] == 1
+        server.stop()
+        pytest.raises(SharedUnavailable, store.ping)
+        assert store.client.backoff.delay == 0.5 and not store.available  # a success started it over
+        store.retry_now()  # the operator ends it at once
+        assert store.available
+
+
+def wait_for_sessions(server, wanted: set[str], timeout: float) -> bool:
+    """Whether the ``wanted`` sessions were published, with every block of theirs in the store too,
+    within ``timeout`` s: looked for again after each write to a kvtier key (the store's keyspace
+    notifications: a wait on an event, not a sleep). The index is read as it is, never tidied."""
+    client, store = server.client(), SharedStore(SharedConfig(server.url))
+    client.config_set("notify-keyspace-events", "K$zg")
+    pubsub = client.pubsub()
+    pubsub.psubscribe("__keyspace@*__:kvt1:*")
+    pubsub.get_message(timeout=5)  # subscribed: no write after this goes unseen
+
+    def stored() -> set[str]:
+        entries = [store.session_entry(bytes.fromhex(index.decode().rsplit(":", 1)[1]), session_id.decode())
+                   for index in client.keys(b"kvt1:sessions:*") for session_id in client.zrange(index, 0, -1)]
+        return {e["session_id"] for e in entries
+                if e is not None and e["keys"] and all(store.lengths(e["namespace"], e["keys"]))}
+
+    deadline = time.monotonic() + timeout
+    while not (ok := wanted <= stored()) and time.monotonic() < deadline:
+        pubsub.get_message(timeout=max(0.0, deadline - time.monotonic()))  # the next write
+        while pubsub.get_message(timeout=0) is not None:  # a burst of writes: one more look
+            pass
+    pubsub.close(), client.close(), store.close()
+    return ok
 
 
 def test_wrong_credentials_and_a_full_store_are_reported_not_raised(tmp_path, geometry):
@@ -338,15 +377,12 @@ def test_two_servers_continue_each_others_sessions(tiny_model, tmp_path, monkeyp
         prompt = list(range(100, 100 + 5 * bt + 7))
         a.turn("agent", prompt)
         a.turn("agent2", prompt[::-1])
-        listed = {}
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not {"agent", "agent2"} <= set(listed):
-            out = runner.invoke(app, ["sessions", "--shared", "--json", "--instance", "b"])
-            assert out.exit_code == 0, out.output
-            listed = {s["session_id"]: s for s in json.loads(out.output)["sessions"]}
-            time.sleep(0.5)
+        # A publishes the entries (once a second) and the blocks (its worker's publisher) on its own
+        assert wait_for_sessions(server, {"agent", "agent2"}, 60)
+        out = runner.invoke(app, ["sessions", "--shared", "--json", "--instance", "b"])
+        assert out.exit_code == 0, out.output
+        listed = {s["session_id"]: s for s in json.loads(out.output)["sessions"]}
         assert listed["agent"]["box"] == "a" and listed["agent"]["blocks"] == 5
-        time.sleep(1.5)  # the publisher's last batch
         human = runner.invoke(app, ["sessions", "--shared", "--instance", "b"])
         assert "agent2" in human.output and "shared sessions in" in human.output
 
@@ -370,8 +406,9 @@ def test_two_servers_continue_each_others_sessions(tiny_model, tmp_path, monkeyp
         assert b.turn("agent3", list(range(900, 900 + 3 * bt)))["text"] is not None
         deadline = time.monotonic() + 15
         while "shared" not in b.admin().get("/v1/status")["warnings"] and time.monotonic() < deadline:
+            # each turn asks the store (its lookup) and paces the loop; B's once-a-second upkeep
+            # turns the failure into the warning
             b.turn("agent3", list(range(900, 900 + 3 * bt)) + [5])
-            time.sleep(0.5)
         assert "serving without it" in b.admin().get("/v1/status")["warnings"]["shared"]
         down = runner.invoke(app, ["sessions", "--shared", "--instance", "b"])
         assert down.exit_code != 0 and "shared store" in down.stderr

@@ -39,13 +39,13 @@ def held_copy_thread(eng: TierEngine) -> threading.Event:
     """Occupy the copy thread until the returned event is set (a slow link, a busy copy engine)."""
     hold = threading.Event()
     started = threading.Event()
-    eng.mover._copy.submit(lambda: (started.set(), hold.wait()))
+    eng.mover.jobs.copy_pool.submit(lambda: (started.set(), hold.wait()))
     assert started.wait(5)
     return hold
 
 
 def finish(eng: TierEngine) -> list[JobResult]:
-    eng.mover._copy.submit(lambda: None).result(10)  # everything queued before it is done
+    eng.mover.jobs.copy_pool.submit(lambda: None).result(10)  # everything queued before it is done
     results = eng.mover.poll()
     for result in results:
         eng.manager.complete(result)
@@ -314,3 +314,62 @@ def test_every_rank_checks_its_own_shard_is_signed(tmp_path):
     assert again.execute(again.manager.prepare_restore(open_snapshot(path), require_signed=False)).ok
     for eng in [*ranks, *restored, again]:
         eng.close(write_back=False)
+
+
+class FlakyDisk:
+    """A ``DiskStore`` in memory whose writes fail while ``broken`` is set."""
+
+    name = "nvme"
+    recreated = 0
+
+    def __init__(self):
+        self.blocks: dict[tuple[bytes, bytes], bytes] = {}
+        self.broken = False
+
+    def write_batch(self, blocks, fingerprint):
+        if self.broken:
+            return [OSError("read-only file system") for _ in blocks]
+        for namespace, key, payload, _codec in blocks:
+            self.blocks[(namespace, key)] = bytes(payload.numpy())
+        return [None] * len(blocks)
+
+    def has(self, namespace, key):
+        return (namespace, key) in self.blocks
+
+    def free_bytes(self):
+        return 1 << 30
+
+    def delete_many(self, names):
+        return sum(self.blocks.pop(name, None) is not None for name in names)
+
+
+def test_write_behind_skips_reused_slots_and_keeps_the_disks_health():
+    from support.clock import FakeClock
+
+    from kvtier.move.mover import Mover
+    from kvtier.tiers.dram import DramArena
+
+    clock, disk = FakeClock(), FlakyDisk()
+    fingerprint = ModelFingerprint("tiny", GEOMETRY)
+    mover = Mover(fingerprint, DramArena(4, GEOMETRY.block_bytes), disk, clock=clock)
+    try:
+        old, new = (BlockMove(row=i, namespace=b"ns", key=k, dram_slot=i, nbytes=64) for i, k in enumerate(KEYS[:2]))
+        mover.ledger.own(old)
+        mover.ledger.own(new)
+        assert mover.dirty_due(5) == 0
+        clock.advance(5)
+        assert mover.dirty_due(5) == 2
+        mover.forget_slots([0])  # the manager freed slot 0: its block is never written behind
+        disk.broken = True
+        written, error = mover.write_behind(5)
+        assert written == [] and "read-only" in error
+        assert mover.disk.failing and mover.disk.failed_within(1) and mover.dirty_due(5) == 1
+        disk.broken = False
+        clock.advance(60)
+        written, error = mover.write_behind(5)
+        assert error is None and written == [(b"ns", KEYS[1], 64, "none")]
+        assert not mover.disk.failing and not mover.disk.failed_within(35)
+        assert list(disk.blocks) == [(b"ns", KEYS[1])] and mover.dirty == {}
+        assert mover.link_bytes["dram->nvme"] == 64
+    finally:
+        mover.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import typer
 
@@ -12,90 +12,107 @@ from kvtier.cli.admin import INSTANCE_OPTION, selected_instance
 from kvtier.cli.output import emit_json, handle_errors, print_table
 from kvtier.errors import UsageError
 
-__all__ = ["register"]
+__all__ = ["register", "top"]
+
+
+class _Feed(NamedTuple):
+    """Where the dashboard's snapshots come from: ``source()`` gives the next (None: no more), ``first`` is
+    one already read (a recording's), ``client`` acts on the server, ``box`` watches every instance."""
+
+    source: Callable[[], Any]
+    first: Any = None
+    client: Any = None
+    box: Any = None
+
+
+@handle_errors
+def top(
+    socket: Optional[str] = typer.Option(None, "--socket",
+                                         help="Admin socket (default: the only running instance's)."),
+    _instance: Optional[str] = INSTANCE_OPTION,
+    interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="Seconds between samples."),
+    once: bool = typer.Option(False, "--once", help="Print one sample and exit (no TTY needed)."),
+    json_out: bool = typer.Option(False, "--json", help="With --once: the sample as JSON."),
+    record: Optional[Path] = typer.Option(None, "--record", help="Append every sample to FILE (JSON lines)."),
+    replay: Optional[Path] = typer.Option(None, "--replay", help="Show a recording instead of a live server."),
+    all_sessions: bool = typer.Option(False, "--all", help="Every instance's sessions in one list (key a)."),
+) -> None:
+    """Live dashboard: tier occupancy, link throughput, hit rates, sessions and jobs, with keys to act.
+    With several instances on the box it shows them all (HBM and PCIe per GPU); i switches."""
+    if json_out and not once:
+        raise UsageError("--json needs --once", hint="kvtier top --once --json")
+    if replay is not None and record is not None:
+        raise UsageError("--record and --replay do not go together", hint="record a live server, replay the file")
+    recorder = _recorder(record) if record is not None else None
+    feed = _replay_feed(replay) if replay is not None else _live_feed(socket, all_sessions)
+    if once:
+        snapshot = feed.first
+        if snapshot is None:
+            feed.source()  # counters' first sample: rates need two
+            time.sleep(min(interval, 1.0))
+            snapshot = feed.source()
+        if recorder is not None:
+            recorder(snapshot)
+        _print_once(snapshot, json_out)
+        return
+    if not sys.stdout.isatty():
+        raise UsageError("kvtier top needs a terminal", hint="use `kvtier top --once [--json]` in scripts")
+    from kvtier.tui.app import TopApp
+
+    TopApp(feed.source, interval=interval, client=feed.client, record=recorder, first=feed.first,
+           box=feed.box).run()
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("top")
-    @handle_errors
-    def top(
-        socket: Optional[str] = typer.Option(None, "--socket",
-                                             help="Admin socket (default: the only running instance's)."),
-        _instance: Optional[str] = INSTANCE_OPTION,
-        interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="Seconds between samples."),
-        once: bool = typer.Option(False, "--once", help="Print one sample and exit (no TTY needed)."),
-        json_out: bool = typer.Option(False, "--json", help="With --once: the sample as JSON."),
-        record: Optional[Path] = typer.Option(None, "--record", help="Append every sample to FILE (JSON lines)."),
-        replay: Optional[Path] = typer.Option(None, "--replay", help="Show a recording instead of a live server."),
-        all_sessions: bool = typer.Option(False, "--all", help="Every instance's sessions in one list (key a)."),
-    ) -> None:
-        """Live dashboard: tier occupancy, link throughput, hit rates, sessions and jobs, with keys to act.
-        With several instances on the box it shows them all (HBM and PCIe per GPU); i switches."""
-        from kvtier.tui.collector import Collector
-        from kvtier.tui.collector import replay as read_recording
+    app.command("top")(top)
 
-        if json_out and not once:
-            raise UsageError("--json needs --once", hint="kvtier top --once --json")
-        if replay is not None and record is not None:
-            raise UsageError("--record and --replay do not go together", hint="record a live server, replay the file")
-        recorder = None
-        if record is not None:
-            try:
-                handle = open(record, "a", encoding="utf-8")
-            except OSError as exc:
-                raise UsageError(f"cannot write {record}: {exc.strerror}", hint="choose a writable path") from None
 
-            def recorder(snapshot) -> None:
-                handle.write(snapshot.to_json() + "\n")
-                handle.flush()
+def _recorder(record: Path) -> Callable[[Any], None]:
+    """Appends every snapshot to ``record`` as one JSON line (flushed: a killed dashboard loses none)."""
+    try:
+        handle = open(record, "a", encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write {record}: {exc.strerror}", hint="choose a writable path") from None
 
-        client = box = None
-        if replay is not None:
-            snapshots = read_recording(str(replay))
-            first = next(snapshots, None)
-            if first is None:
-                raise UsageError(f"{replay} holds no snapshots", hint="record one with `kvtier top --record FILE`")
-            source = lambda: next(snapshots, None)  # noqa: E731
-        else:
-            import os
+    def recorder(snapshot) -> None:
+        handle.write(snapshot.to_json() + "\n")
+        handle.flush()
 
-            from kvtier.control.client import connect
-            from kvtier.control.instances import find_instance, list_instances
+    return recorder
 
-            box = None
-            chosen = selected_instance() or os.environ.get("KVTIER_INSTANCE")
-            direct = socket or os.environ.get("KVTIER_ADMIN_SOCKET") or os.environ.get("KVTIER_ADMIN_URL")
-            if not direct and (list_instances() or chosen):
-                if chosen:
-                    find_instance(chosen)  # a name nothing runs under: the usual error, listing what runs
-                from kvtier.tui.collector import BoxCollector
 
-                box = BoxCollector()
-                box.select(chosen)
-                box.all_sessions = all_sessions
-                client = box.client(None)
-                collector = box
-            else:
-                client = connect(socket, selected_instance())
-                collector = Collector(client)
-            first = None
-            source = collector.poll
-        if once:
-            snapshot = first
-            if snapshot is None:
-                collector.poll()  # counters' first sample: rates need two
-                time.sleep(min(interval, 1.0))
-                snapshot = collector.poll()
-            if recorder is not None:
-                recorder(snapshot)
-            _print_once(snapshot, json_out)
-            return
-        if not sys.stdout.isatty():
-            raise UsageError("kvtier top needs a terminal", hint="use `kvtier top --once [--json]` in scripts")
-        from kvtier.tui.app import TopApp
+def _replay_feed(replay: Path) -> _Feed:
+    from kvtier.tui.collector import replay as read_recording
 
-        TopApp(source, interval=interval, client=client, record=recorder, first=first,
-               box=box if replay is None else None).run()
+    snapshots = read_recording(str(replay))
+    first = next(snapshots, None)
+    if first is None:
+        raise UsageError(f"{replay} holds no snapshots", hint="record one with `kvtier top --record FILE`")
+    return _Feed(lambda: next(snapshots, None), first)
+
+
+def _live_feed(socket: Optional[str], all_sessions: bool) -> _Feed:
+    """One server when a socket or URL is given (or nothing is registered), else every instance on the box."""
+    import os
+
+    from kvtier.control.client import connect
+    from kvtier.control.instances import find_instance, list_instances
+
+    chosen = selected_instance() or os.environ.get("KVTIER_INSTANCE")
+    direct = socket or os.environ.get("KVTIER_ADMIN_SOCKET") or os.environ.get("KVTIER_ADMIN_URL")
+    if not direct and (list_instances() or chosen):
+        if chosen:
+            find_instance(chosen)  # a name nothing runs under: the usual error, listing what runs
+        from kvtier.tui.collector import BoxCollector
+
+        box = BoxCollector()
+        box.select(chosen)
+        box.all_sessions = all_sessions
+        return _Feed(box.poll, client=box.client(None), box=box)
+    from kvtier.tui.collector import Collector
+
+    client = connect(socket, selected_instance())
+    return _Feed(Collector(client).poll, client=client)
 
 
 def _print_once(snapshot, json_out: bool) -> None:

@@ -24,8 +24,7 @@ Routes (``GET /v1/openapi.json`` describes them)::
 """
 from __future__ import annotations
 
-import contextlib
-import hmac
+import functools
 import json
 import logging
 import os
@@ -36,19 +35,20 @@ import stat
 import struct
 import sys
 import threading
-import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import orjson
 
 from kvtier.control.ops import API_VERSION, ApiError, Ops
+from kvtier.control.wire import HEAD_TIMEOUT_S, MAX_BODY, MAX_HEAD, Head, RequestReader, close_fds
 from kvtier.errors import KvtierError, NotFoundError, UsageError
 
-__all__ = ["AdminServer", "Ops", "MAX_BODY", "API_VERSION"]
+__all__ = ["AdminServer", "Ops", "MAX_BODY", "MAX_HEAD", "HEAD_TIMEOUT_S", "API_VERSION", "Connection", "Endpoint"]
 
 log = logging.getLogger("kvtier.admin")
 
-MAX_BODY = 64 << 10
 SWITCH_INTERVAL_S = 0.001
 _SESSION = r"(?P<session>[^/]+)"
 
@@ -66,18 +66,20 @@ class _Quiet:
     max_connections = MAX_CONNECTIONS
     request_queue_size = 128  # listen backlog: a burst of clients waits for accept instead of failing
 
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.Condition()  # guards _active; notified whenever it changes
+        self._active = 0
+        super().__init__(*args, **kwargs)
+
     def handle_error(self, request, client_address) -> None:  # a client that hung up is not news
         log.debug("kvtier admin: connection error", exc_info=True)
 
     def process_request(self, request, client_address) -> None:
-        lock = self.__dict__.setdefault("_count_lock", threading.Lock())
-        with lock:
-            active = self.__dict__.get("_active", 0)
-            if active >= self.max_connections:
-                refused = True
-            else:
-                refused = False
-                self._active = active + 1
+        with self._slots:
+            refused = self._active >= self.max_connections
+            if not refused:
+                self._active += 1
+                self._slots.notify_all()
         if refused:
             try:
                 request.setblocking(False)
@@ -99,8 +101,14 @@ class _Quiet:
             self._release()
 
     def _release(self) -> None:
-        with self.__dict__.setdefault("_count_lock", threading.Lock()):
-            self._active = max(0, self.__dict__.get("_active", 1) - 1)
+        with self._slots:
+            self._active = max(0, self._active - 1)
+            self._slots.notify_all()
+
+    def wait_connections(self, count: int, timeout: float) -> bool:
+        """Wait until exactly ``count`` connections are being served; False if that took over ``timeout``."""
+        with self._slots:
+            return self._slots.wait_for(lambda: self._active == count, timeout)
 
 
 class _UnixServer(_Quiet, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -128,7 +136,7 @@ class AdminServer:
             if not token:
                 raise UsageError("admin TCP needs a bearer token", hint="set admin_token (a long random string)")
         self.tcp = tcp
-        self._servers: list[socketserver.BaseServer] = []
+        self._servers: list[_UnixServer | _TcpServer] = []
         self._threads: list[threading.Thread] = []
 
     def start(self) -> "AdminServer":
@@ -156,6 +164,11 @@ class AdminServer:
         log.info("kvtier admin API on %s%s", self.socket_path,
                  f" and http://{self.tcp[0]}:{self.tcp[1]}" if self.tcp else "")
         return self
+
+    def wait_connections(self, count: int, timeout: float = 10.0) -> bool:
+        """Wait until the Unix listener serves exactly ``count`` connections (a connection counts from
+        its accept to its handler's end); False if that took over ``timeout`` seconds."""
+        return self._servers[0].wait_connections(count, timeout)
 
     @property
     def tcp_port(self) -> int | None:
@@ -221,187 +234,100 @@ _REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized",
             405: "Method Not Allowed", 408: "Request Timeout", 503: "Service Unavailable", 409: "Conflict",
             411: "Length Required", 413: "Payload Too Large",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 505: "HTTP Version Not Supported"}
-MAX_HEAD = 16 << 10
 IDLE_TIMEOUT_S = 30.0  # a keep-alive connection with no request for this long is closed
-HEAD_TIMEOUT_S = 10.0  # a request head must arrive whole within this
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token: methods and header names
-_DIGITS = re.compile(r"[0-9]{1,19}")  # Content-Length: ASCII digits only ("²".isdigit() is True)
-_TARGET = re.compile(r"/[\x21-\x7e]*")  # origin-form, visible ASCII only
-_FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")  # no control characters in values
 _JSON = b"application/json"
 _TEXT = b"text/plain; version=0.0.4; charset=utf-8"
+Answer = tuple[int, bytes, bytes, bool]  # status, body, content type, close after answering
 
 
-class _Request:
-    __slots__ = ("method", "target", "headers", "body", "keep_alive")
+@dataclass(frozen=True)
+class Endpoint:
+    """What one listener serves: the ops, the API's route handler (``api.handle``), the metrics page,
+    and the credential its requests must carry (``b"Bearer <token>"`` on TCP; None on the Unix socket)."""
 
-    def __init__(self, method: str, target: str, headers: dict[str, str], keep_alive: bool):
-        self.method, self.target, self.headers, self.keep_alive = method, target, headers, keep_alive
-        self.body = b""
+    ops: Ops
+    handle: Callable[..., tuple[int, Any]]
+    metrics: Callable[[Ops], bytes]
+    expected_auth: bytes | None = None
+
+    def respond(self, head: Head, body: bytes, fds: list[int]) -> Answer:
+        method = head.method
+        try:
+            path, _, query = head.target.partition("?")
+            name, params = _route(method, path)
+            doc = _body(name, body) if method == "POST" else {}
+            if name == "metrics":
+                return 200, self.metrics(self.ops), _TEXT, False
+            status, payload = self.handle(self.ops, name, params, _query(query), doc, fds)
+            return status, orjson.dumps(payload), _JSON, False
+        except ApiError as exc:
+            return exc.status, _error_body(exc.message, exc.hint), _JSON, True
+        except KvtierError as exc:
+            status = 404 if isinstance(exc, NotFoundError) else 400
+            return status, _error_body(getattr(exc, "message", str(exc)), getattr(exc, "hint", None)), _JSON, True
+        except Exception as exc:  # never kill the server thread, never leak a traceback
+            log.exception("kvtier admin: %s %s failed", method, head.target[:200])
+            return 500, _error_body(f"internal error: {type(exc).__name__}", "see the server log"), _JSON, True
 
 
-def _make_handler(ops: Ops, token: str | None):
+class Connection(socketserver.BaseRequestHandler):
     """A lean HTTP/1.1 connection loop (keep-alive, Content-Length bodies only): one ``recv`` per
     request and one ``sendall`` per answer. ``http.server`` parsed headers with ``email`` and wrote
     in pieces; each blocking call is a GIL hand-off, which under engine load costs up to a switch
     interval, so fewer calls is lower tail latency."""
+
+    def __init__(self, request, client_address, server, *, endpoint: Endpoint):
+        self.endpoint = endpoint
+        super().__init__(request, client_address, server)
+
+    def setup(self) -> None:
+        # A kernel receive timeout, not ``settimeout``: Python's timeout mode polls before every
+        # recv and send, two GIL hand-offs instead of one.
+        self.request.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(IDLE_TIMEOUT_S), 0))
+        self.reader = RequestReader(self.request)
+
+    def finish(self) -> None:
+        self.reader.close()
+
+    def handle(self) -> None:
+        while True:
+            try:
+                read = self.reader.read_request(self.endpoint.expected_auth)
+            except ApiError as exc:  # unreadable request: answer and hang up
+                self._answer(exc.status, _error_body(exc.message, exc.hint), _JSON, close=True)
+                return
+            except (OSError, socket.timeout):
+                return  # the client went away or idled out
+            if read is None:
+                return
+            head, body = read
+            fds = self.reader.take_fds()
+            try:
+                status, data, content_type, close = self.endpoint.respond(head, body, fds)
+            finally:
+                close_fds(fds)  # the ones no handler kept
+            close = close or not head.keep_alive
+            if not self._answer(status, data, content_type, close=close) or close:
+                return
+
+    def _answer(self, status: int, data: bytes, content_type: bytes, close: bool) -> bool:
+        head = (b"HTTP/1.1 %d %s\r\nServer: kvtier-admin\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n"
+                % (status, _REASONS.get(status, "").encode(), content_type, len(data),
+                   b"Connection: close\r\n" if close else b""))
+        try:
+            self.request.sendall(head + data)
+        except OSError:
+            return False
+        return True
+
+
+def _make_handler(ops: Ops, token: str | None) -> Callable[..., Connection]:
+    """The handler a listener builds per connection: ``Connection`` bound to what it serves."""
     from kvtier.control import api
     from kvtier.control.metrics import metrics
 
     expected = f"Bearer {token}".encode() if token is not None else None
-
-    class Connection(socketserver.BaseRequestHandler):
-        def setup(self) -> None:
-            # A kernel receive timeout, not ``settimeout``: Python's timeout mode polls before every
-            # recv and send, two GIL hand-offs instead of one.
-            self.request.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                                    struct.pack("ll", int(IDLE_TIMEOUT_S), 0))
-            self.buffer = b""
-            self.unix = self.request.family == socket.AF_UNIX
-            self.fds: list[int] = []  # files handed over (SCM_RIGHTS) with the request being read
-
-        def finish(self) -> None:
-            self._close_fds(self.fds)
-
-        def handle(self) -> None:
-            while True:
-                try:
-                    request = self._read_request()
-                except ApiError as exc:  # unreadable request: answer and hang up
-                    self._answer(exc.status, _error_body(exc.message, exc.hint), _JSON, close=True)
-                    return
-                except (OSError, socket.timeout):
-                    return  # the client went away or idled out
-                if request is None:
-                    return
-                fds, self.fds = self.fds, []
-                try:
-                    status, data, content_type, close = self._dispatch(request, fds)
-                finally:
-                    self._close_fds(fds)  # the ones no handler kept
-                if not self._answer(status, data, content_type, close=close or not request.keep_alive):
-                    return
-                if close or not request.keep_alive:
-                    return
-
-        # ---- reading ---------------------------------------------------------------------------
-        def _recv(self) -> bytes:
-            if self.unix:  # a client may hand over an open file with its request (kvtier snapshot --out)
-                chunk, fds, _flags, _addr = socket.recv_fds(self.request, 65536, 4)
-                self.fds.extend(fds)
-                if len(self.fds) > 4:
-                    self._close_fds(self.fds)
-                    raise ApiError(400, "too many files handed over")
-            else:
-                chunk = self.request.recv(65536)
-            self.buffer += chunk
-            return chunk
-
-        @staticmethod
-        def _close_fds(fds: list[int]) -> None:
-            for i, fd in enumerate(fds):
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-                    fds[i] = -1
-
-        def _read_request(self) -> _Request | None:
-            started = None
-            while True:
-                end = self.buffer.find(b"\r\n\r\n")
-                if end >= 0:
-                    break
-                if len(self.buffer) > MAX_HEAD:
-                    raise ApiError(431, "request head is too large")
-                if self.buffer:  # a head that trickles in (slowloris) holds a connection slot: bounded
-                    started = started or time.monotonic()
-                    if time.monotonic() - started > HEAD_TIMEOUT_S:
-                        raise ApiError(408, f"request head not complete within {HEAD_TIMEOUT_S:g} s")
-                if not self._recv():
-                    if self.buffer.strip():
-                        raise ApiError(400, "incomplete request")
-                    return None
-            head, self.buffer = self.buffer[:end], self.buffer[end + 4:]
-            if end > MAX_HEAD:
-                raise ApiError(431, "request head is too large")
-            lines = head.decode("iso-8859-1").split("\r\n")
-            while lines and not lines[0]:  # tolerate blank lines between requests (RFC 9112 2.2)
-                lines.pop(0)
-            parts = lines[0].split(" ") if lines else []
-            if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not _TARGET.fullmatch(parts[1]):
-                raise ApiError(400, f"malformed request line: {lines[0][:80] if lines else ''!r}")
-            method, target, version = parts
-            if version not in ("HTTP/1.1", "HTTP/1.0"):
-                raise ApiError(505, f"unsupported protocol {version[:20]!r}", hint="speak HTTP/1.1")
-            headers: dict[str, str] = {}
-            for line in lines[1:]:
-                name, sep, value = line.partition(":")
-                # no obsolete line folding (a line starting with a space continues the previous one
-                # in old HTTP: a classic request-smuggling vector), names are tokens, values printable
-                if not sep or not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
-                    raise ApiError(400, f"malformed header line: {line[:80]!r}")
-                key = name.lower()
-                if key in headers and key in ("content-length", "authorization", "host", "transfer-encoding"):
-                    raise ApiError(400, f"duplicate {name} header")
-                headers[key] = value.strip(" \t")
-            if expected is not None:  # the token first: nothing else of a stranger's request is read
-                given = headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode("iso-8859-1"), expected):
-                    raise ApiError(401, "missing or wrong bearer token",
-                                   hint="send 'Authorization: Bearer <admin token>'")
-            connection = headers.get("connection", "").lower()
-            keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
-            request = _Request(method, target, headers, keep_alive)
-            if "transfer-encoding" in headers:
-                raise ApiError(411, "chunked bodies are not accepted", hint="send Content-Length")
-            length = headers.get("content-length")
-            if length is None:
-                return request
-            if not _DIGITS.fullmatch(length):
-                raise ApiError(400, f"bad Content-Length: {length[:20]!r}")
-            size = int(length)
-            if size > MAX_BODY:
-                raise ApiError(413, f"body of {size} bytes is over the {MAX_BODY}-byte limit")
-            if size and headers.get("expect", "").lower() == "100-continue":
-                self.request.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-            while len(self.buffer) < size:
-                if not self._recv():
-                    raise ApiError(400, f"body shorter than its Content-Length ({len(self.buffer)} < {size})")
-            request.body, self.buffer = self.buffer[:size], self.buffer[size:]
-            return request
-
-        # ---- answering -------------------------------------------------------------------------
-        def _dispatch(self, request: _Request, fds: list[int]) -> tuple[int, bytes, bytes, bool]:
-            """(status, body, content type, close after answering)."""
-            method = request.method
-            try:
-                path, _, query = request.target.partition("?")
-                name, params = _route(method, path)
-                body = _body(name, request.body) if method == "POST" else {}
-                if name == "metrics":
-                    return 200, metrics(ops), _TEXT, False
-                status, payload = api.handle(ops, name, params, _query(query), body, fds)
-                return status, orjson.dumps(payload), _JSON, False
-            except ApiError as exc:
-                return exc.status, _error_body(exc.message, exc.hint), _JSON, True
-            except KvtierError as exc:
-                status = 404 if isinstance(exc, NotFoundError) else 400
-                return status, _error_body(getattr(exc, "message", str(exc)), getattr(exc, "hint", None)), _JSON, True
-            except Exception as exc:  # never kill the server thread, never leak a traceback
-                log.exception("kvtier admin: %s %s failed", method, request.target[:200])
-                return 500, _error_body(f"internal error: {type(exc).__name__}", "see the server log"), _JSON, True
-
-        def _answer(self, status: int, data: bytes, content_type: bytes, close: bool) -> bool:
-            head = (b"HTTP/1.1 %d %s\r\nServer: kvtier-admin\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n"
-                    % (status, _REASONS.get(status, "").encode(), content_type, len(data),
-                       b"Connection: close\r\n" if close else b""))
-            try:
-                self.request.sendall(head + data)
-            except OSError:
-                return False
-            return True
-
-    return Connection
+    return functools.partial(Connection, endpoint=Endpoint(ops, api.handle, metrics, expected))
 
 
 def _error_body(message: str, hint: str | None) -> bytes:

@@ -1,6 +1,10 @@
-"""Snapshot files and the shared store, for the ``Mover``: a session written to its snapshot file
-(this rank's shard, signed), a snapshot restored into DRAM or NVMe, another box's blocks fetched.
-A mixin of ``Mover`` (it uses the mover's arena, store, staging buffers and counters)."""
+"""Snapshot files for the ``Mover``: a session written to its snapshot file (this rank's shard,
+signed), a snapshot restored into DRAM or NVMe.
+
+Owns nothing but its collaborators: the arena and slot ledger (the DRAM side), the disk handler
+(the NVMe side: its store, its counted group commits and the disk's health), the store fences and
+the link counters.
+"""
 from __future__ import annotations
 
 import logging
@@ -9,45 +13,69 @@ from typing import TYPE_CHECKING
 from kvtier.codecs import get_codec, transcode
 from kvtier.errors import KvtierError
 from kvtier.jobs import Job, JobResult
+from kvtier.move.disk import DiskMoves
+from kvtier.move.fences import SlotFences
+from kvtier.move.ledger import SlotLedger
+from kvtier.move.links import LinkBytes
+from kvtier.move.recode import note, transcoded
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.layout import ModelFingerprint
+    from kvtier.tiers.dram import DramArena
 
-    from kvtier.move.mover import Mover
-
-__all__ = ["FileMoves"]
+__all__ = ["SnapshotFiles"]
 
 log = logging.getLogger("kvtier.move.mover")
 
 RESTORE_BATCH_BYTES = 32 << 20  # a restore's blocks bound for NVMe, per group commit
 
 
-class FileMoves:
+def signing_key_or_none() -> bytes | None:
+    """This box's snapshot key (``kvtier.persist.trust``), made on first use; None if it cannot be had
+    (the snapshot is then written unsigned, and restores only with --trust-unsigned)."""
+    from kvtier.errors import KvtierError
+    from kvtier.persist.trust import signing_key
+
+    try:
+        return signing_key()
+    except (KvtierError, OSError) as exc:
+        log.warning("kvtier: snapshot written unsigned: %s", exc)
+        return None
+
+
+class SnapshotFiles:
+    def __init__(self, fingerprint: "ModelFingerprint", arena: "DramArena", ledger: SlotLedger, disk: DiskMoves,
+                 fences: SlotFences, links: LinkBytes, rank: int = 0, shards: int = 1):
+        self.fingerprint, self.arena, self.ledger, self.disk = fingerprint, arena, ledger, disk
+        self.fences, self.links = fences, links
+        self.rank, self.shards = rank, shards  # tensor parallelism: this rank's shard of every file
+
     # ---- snapshots ----------------------------------------------------------------------------
-    def _snapshot(self: "Mover", job: Job, result: JobResult) -> None:
+    def snapshot(self, job: Job, result: JobResult) -> None:
         """Write this rank's shard of a session to its snapshot file (``shard_path``)."""
         import torch
 
         from kvtier.persist.snapshot import shard_path, write_snapshot
 
         header = job.header or {}
-        self._await_slots([m.dram_slot for m in job.moves if not m.from_nvme])
+        self.fences.wait([m.dram_slot for m in job.moves if not m.from_nvme])
         bounce = torch.empty(max([self.arena.slot_bytes] + [m.nbytes for m in job.moves]), dtype=torch.uint8)
-        sizes = self._snapshot_sizes(job)  # as written, after re-encoding: this rank's own
+        sizes = self.sizes(job)  # as written, after re-encoding: this rank's own
 
         def payloads():
             for i, move in enumerate(job.moves):
                 if move.from_nvme:
-                    nbytes, move.codec = self._need_store().read_into(move.namespace, move.key, bounce,
-                                                                       self.fingerprint.digest)
+                    nbytes, move.codec = self.disk.need_store().read_into(move.namespace, move.key, bounce,
+                                                                            self.fingerprint.digest)
                     payload = bounce[:nbytes]
                 else:
-                    payload = self.arena.slot(move.dram_slot, self._own_nbytes(move))
+                    payload = self.arena.slot(move.dram_slot, self.ledger.nbytes_of(move))
                 if move.to_codec and move.codec != move.to_codec:
-                    payload = self._transcoded(move, payload)
+                    payload = transcoded(move, payload, self.fingerprint.geometry)
                 if sizes is not None and len(payload) != sizes[i]:
                     raise KvtierError(f"snapshot: block {i} holds {len(payload)} bytes, planned {sizes[i]}")
                 yield payload
-                self._count("tier->snapshot", len(payload), result)
+                self.links.count("tier->snapshot", len(payload), result)
 
         blocks = payloads()
         if sizes is None:  # a data-dependent codec on a sharded engine: encode first to learn the sizes
@@ -59,23 +87,11 @@ class FileMoves:
             num_tokens=header["num_tokens"], keys=[m.key for m in job.moves], payloads=blocks,
             block_nbytes=sizes, token_ids=header.get("token_ids") or (),
             meta={"key_scheme": header["key_scheme"]} if header.get("key_scheme") else None,
-            sign_key=self._signing_key(), in_place=bool(header.get("in_place")),
+            sign_key=signing_key_or_none(), in_place=bool(header.get("in_place")),
         )
         result.path = str(info.path)
 
-    def _signing_key(self: "Mover") -> bytes | None:
-        """This box's snapshot key (``kvtier.persist.trust``), made on first use; None if it cannot be had
-        (the snapshot is then written unsigned, and restores only with --trust-unsigned)."""
-        from kvtier.errors import KvtierError
-        from kvtier.persist.trust import signing_key
-
-        try:
-            return signing_key()
-        except (KvtierError, OSError) as exc:
-            log.warning("kvtier: snapshot written unsigned: %s", exc)
-            return None
-
-    def _snapshot_sizes(self: "Mover", job: Job) -> list[int] | None:
+    def sizes(self, job: Job) -> list[int] | None:
         """Each block's size in this rank's snapshot file, known before writing it (None when a
         data-dependent codec makes that impossible without encoding first)."""
         planned = (job.header or {}).get("sizes")
@@ -86,15 +102,15 @@ class FileMoves:
             if move.to_codec and move.codec != move.to_codec:
                 n = get_codec(move.to_codec).nbytes_for(self.fingerprint.geometry, move.first)
             elif move.from_nvme:
-                n = self._need_store().size_of(move.namespace, move.key)
+                n = self.disk.need_store().size_of(move.namespace, move.key)
             else:
-                n = self._own_nbytes(move)
+                n = self.ledger.nbytes_of(move)
             if n is None:
                 return None
             sizes.append(int(n))
         return sizes
 
-    def _restore(self: "Mover", job: Job, result: JobResult) -> None:
+    def restore(self, job: Job, result: JobResult) -> None:
         import numpy as np
 
         from kvtier.persist.snapshot import read_blocks, shard_path
@@ -106,7 +122,7 @@ class FileMoves:
 
         def flush() -> None:
             if pending:
-                store = self._need_store()
+                store = self.disk.need_store()
                 outcomes.extend(store.write_batch([(job.moves[i].namespace, job.moves[i].key, data,
                                                     job.moves[i].codec) for i, data in pending],
                                                   self.fingerprint.digest))
@@ -138,56 +154,13 @@ class FileMoves:
                 move.nbytes = transcode(torch.frombuffer(payload, dtype=torch.uint8), move.codec, move.to_codec,
                                         self.fingerprint.geometry, self.arena.slot(move.dram_slot), first=move.first)
                 move.codec = move.to_codec
-                self._note(result, i, move)
-                self._own(move)
-                self._count("snapshot->dram", len(payload), result)
+                note(result, i, move)
+                self.ledger.own(move)
+                self.links.count("snapshot->dram", len(payload), result)
             else:
                 self.arena.slot(move.dram_slot, len(payload)).numpy()[:] = np.frombuffer(payload, np.uint8)
-                self._own(move)
-                self._count("snapshot->dram", len(payload), result)
+                self.ledger.own(move)
+                self.links.count("snapshot->dram", len(payload), result)
         flush()
-        self._collect_writes(outcomes, [job.moves[i] for i in written], result, "snapshot->nvme")
+        self.disk.collect_writes(outcomes, [job.moves[i] for i in written], result, "snapshot->nvme")
         result.failed = [written[k] for k in result.failed]
-
-    def _fetch(self: "Mover", job: Job, result: JobResult) -> None:  # shared store -> DRAM or NVMe (both BlockStores)
-        """Blocks from the shared store into their DRAM slots (or NVMe records): every value is
-        verified (header, signature, checksum) by the store before it counts; a missing or refused
-        one fails its move, and the manager forgets its row."""
-        if self.shared is None:
-            raise KvtierError("no shared tier is configured")
-        moves = list(enumerate(job.moves))
-        targets = {i: self._landing(m) for i, m in moves}
-        outcomes = self.shared.read_batch([(m.namespace, m.key, targets[i]) for i, m in moves], self.fingerprint.digest)
-        to_nvme: list[int] = []
-        for (i, move), outcome in zip(moves, outcomes):
-            if isinstance(outcome, BaseException):
-                result.failed.append(i)
-                result.error = result.error or str(outcome)
-                continue
-            nbytes, codec = outcome
-            move.nbytes, move.codec = nbytes, codec
-            self._count("shared->dram" if not move.to_nvme else "shared->nvme", nbytes, result)
-            if move.to_nvme:
-                to_nvme.append(i)
-                continue
-            if move.to_codec and move.to_codec != codec:  # too big for a warm slot: re-encode to fit
-                move.nbytes = transcode(targets[i][:nbytes], codec, move.to_codec, self.fingerprint.geometry,
-                                        self.arena.slot(move.dram_slot), first=move.first or None)
-                move.codec = move.to_codec
-            elif move.to_codec:
-                self.arena.slot(move.dram_slot, nbytes).copy_(targets[i][:nbytes])
-            self._note(result, i, move)
-            self._own(move)
-        if to_nvme:
-            store = self._need_store()
-            outcomes = store.write_batch([(job.moves[i].namespace, job.moves[i].key, targets[i][: job.moves[i].nbytes],
-                                           job.moves[i].codec) for i in to_nvme], self.fingerprint.digest)
-            for i, outcome in zip(to_nvme, outcomes):
-                if isinstance(outcome, BaseException):
-                    result.failed.append(i)
-                    result.error = result.error or str(outcome)
-                else:
-                    self._note(result, i, job.moves[i])
-        result.failed.sort()
-        self._give_staging({i: t for i, t in targets.items()}, job)
-

@@ -1,6 +1,6 @@
 """Publishing a box's blocks to the shared store, off every other path.
 
-The mover hands the publisher the DRAM slots it has just filled (``write-through``: after each
+The mover's parts hand the publisher the DRAM slots it has just filled (``write-through``: after each
 store batch) or given a cold copy (``demote``: after a demotion or a write-behind batch); a thread
 of its own copies each slot out -- under the slot lock, after checking the slot still holds the
 same block, as write-behind does -- re-encodes it to the shared codec and writes a batch (one
@@ -16,16 +16,21 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from kvtier.codecs import get_codec, transcode
+from kvtier.move.ledger import SlotLedger, SlotOwner
+from kvtier.move.links import LinkBytes
+from kvtier.tiers.base import BlockStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.jobs import BlockMove
-    from kvtier.move.mover import Mover
-    from kvtier.tiers.shared.store import SharedStore
+    import torch
 
-__all__ = ["Publisher"]
+    from kvtier.jobs import BlockMove
+    from kvtier.layout import ModelFingerprint
+    from kvtier.tiers.dram import DramArena
+
+__all__ = ["Publisher", "SharedTier"]
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +38,25 @@ BATCH_BYTES = 8 << 20  # one pipeline at most
 REPORT_EVERY_S = 1.0
 
 
+@runtime_checkable
+class SharedTier(BlockStore, Protocol):
+    """What the worker half needs of the shared tier beyond a ``BlockStore``: whether it is up
+    (offers are skipped at once while it is not), and its health for status."""
+
+    available: bool
+    state: str
+    problem: Any
+    counters: Mapping[str, int]
+
+
 class Publisher:
-    def __init__(self, mover: "Mover", store: "SharedStore", policy: str = "write-through", codec: str = "none",
+    def __init__(self, ledger: SlotLedger, arena: "DramArena", links: LinkBytes, fingerprint: "ModelFingerprint",
+                 store: SharedTier, policy: str = "write-through", codec: str = "none",
                  max_queue: int = 4096, on_report: Callable[[dict], None] | None = None):
-        self.mover, self.store = mover, store
+        """``ledger``: what each DRAM slot of ``arena`` holds (a slot is copied out only while it still
+        holds the offered block); ``links``: where the bytes published are counted."""
+        self.ledger, self.arena, self.links, self.fingerprint = ledger, arena, links, fingerprint
+        self.store = store
         self.on_store = policy == "write-through"
         self.codec = codec
         self.max_queue = max_queue
@@ -89,7 +109,7 @@ class Publisher:
                     return
                 self._busy = True
                 batch = []
-                while self._queue and len(batch) * self.mover.arena.slot_bytes < BATCH_BYTES:
+                while self._queue and len(batch) * self.arena.slot_bytes < BATCH_BYTES:
                     batch.append(self._queue.popleft())
             try:
                 self._publish(batch)
@@ -101,33 +121,34 @@ class Publisher:
     def _publish(self, batch: list[tuple[int, bytes, bytes]]) -> None:
         import torch
 
-        mover = self.mover
         if not self.store.available:
             self.counters["publish_skipped"] += len(batch)
             return
+        geometry = self.fingerprint.geometry
         blocks = []
         for slot, namespace, key in batch:
-            with mover._slots_lock:  # the slot still holds this block: copy it out
-                owner = mover.slot_owner.get(slot)
-                if owner is None or owner[0] != namespace or owner[1] != key:
-                    self.counters["publish_missed"] += 1  # freed (and maybe reused) since: not published
-                    continue
-                nbytes, codec, first = owner[2], owner[3], owner[4]
-                payload = mover.arena.slot(slot, nbytes).clone()
+            got = self.ledger.copy_out(slot, self._clone, block=(namespace, key))  # the slot still holds it
+            if got is None:
+                self.counters["publish_missed"] += 1  # freed (and maybe reused) since: not published
+                continue
+            owner, payload = got
+            codec = owner.codec
             if codec != self.codec:
-                out = torch.empty(get_codec(self.codec).max_bytes(mover.fingerprint.geometry), dtype=torch.uint8)
-                n = transcode(payload, codec, self.codec, mover.fingerprint.geometry, out, first=first or None)
+                out = torch.empty(get_codec(self.codec).max_bytes(geometry), dtype=torch.uint8)
+                n = transcode(payload, codec, self.codec, geometry, out, first=owner.first or None)
                 payload, codec = out[:n], self.codec
             blocks.append((namespace, key, payload, codec))
         if not blocks:
             return
-        outcomes = self.store.write_batch(blocks, mover.fingerprint.digest)
+        outcomes = self.store.write_batch(blocks, self.fingerprint.digest)
         ok = sum(1 for outcome in outcomes if outcome is None)
         self.counters["published_blocks"] += ok
         self.counters["publish_failed"] += len(outcomes) - ok
         self.counters["published_bytes"] += sum(len(p) for (_n, _k, p, _c), o in zip(blocks, outcomes) if o is None)
-        with mover._lock:
-            mover.link_bytes["dram->shared"] += sum(len(p) for _n, _k, p, _c in blocks)
+        self.links.add("dram->shared", sum(len(p) for _n, _k, p, _c in blocks))
+
+    def _clone(self, slot: int, owner: SlotOwner) -> "torch.Tensor":
+        return self.arena.slot(slot, owner.nbytes).clone()
 
     def _report(self) -> None:
         now = time.monotonic()

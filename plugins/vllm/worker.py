@@ -137,7 +137,8 @@ class KVTierWorker:
         except (AttributeError, OSError):
             pass
         tick = min(1.0, max(0.05, window / 4))
-        backoff = 0.0  # after a failed write (the disk is full, read-only, gone): wait longer, up to 30 s
+        disk = self.mover.disk  # the disk's health: after a failed write (full, read-only, gone) wait longer
+        backoff = 0.0  # up to 30 s: the back-off of the last failed write, while writes keep failing
         while not self._stopping.wait(tick + backoff):
             try:
                 if store.check_present() and self.mover.take_recreated():  # wiped: what it held is lost
@@ -152,9 +153,9 @@ class KVTierWorker:
                     due = self.mover.dirty_due(age)
                     # nothing to write, but a write failed lately: probe, so the warning can clear
                     # (the scheduler half ends it only past its own back-off, at most 30 s)
-                    recovering = self.mover.disk_failing or time.monotonic() - self.mover.disk_failed_at < 35
+                    recovering = disk.failing or disk.failed_within(35)
                     if not due and not recovering:
-                        if idle and not self.mover.disk_failing:  # the disk is free: tidy the segments
+                        if idle and not disk.failing:  # the disk is free: tidy the segments
                             store.compact(COMPACT_BYTES)
                         break
                     if due:
@@ -163,16 +164,17 @@ class KVTierWorker:
                                                                  IDLE_BATCH_BYTES if idle else BUSY_BATCH_BYTES)
                     else:
                         written, error = [], store.probe()
-                        self.mover.disk_failing = error is not None
                         if error:
-                            self.mover.disk_failed_at = time.monotonic()
+                            disk.failed()
+                        else:
+                            disk.succeeded()
                     if written or error or not due:
                         self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error,
                                                   rank=self.rank,
                                                   written_behind=written, disk_ok=error is None,
                                                   nvme_recreated=self.mover.take_recreated(),
                                                   disk_free=store.free_bytes()))
-                    backoff = min(30.0, max(1.0, 2 * backoff)) if error else 0.0
+                    backoff = disk.delay if error else 0.0
                     if error or not written:
                         break
             except Exception as exc:  # noqa: BLE001 - never let durability kill the worker

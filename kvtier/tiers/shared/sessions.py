@@ -1,33 +1,42 @@
 """Session entries in the shared store: what another box needs to list a session and restore it
-(its ordered block keys, token ids, pin, the box that published it), signed like the blocks. A mixin
-of ``SharedStore``: it uses the store's calls, signatures and counters."""
+(its ordered block keys, token ids, pin, the box that published it), signed like the blocks.
+
+``SessionEntries`` owns the entry counters (``sessions_published``, ``rejected_entries``); it reaches
+the store through a ``SharedClient`` and signs and verifies entries with a ``ValueSigner``."""
 from __future__ import annotations
 
 import base64
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections import Counter
+from typing import Sequence
 
 from kvtier.errors import SharedUnavailable
+from kvtier.tiers.shared.client import SharedClient
 from kvtier.tiers.shared.keys import entry_key, sessions_key
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.tiers.shared.store import SharedStore
+from kvtier.tiers.shared.values import MAC_BYTES, ValueSigner
 
 __all__ = ["SessionEntries", "ENTRY_MAGIC"]
 
 ENTRY_MAGIC = b"KVSS"
-_MAC_BYTES = 16
 
 
 class SessionEntries:
-    def publish_sessions(self: "SharedStore", fingerprint: bytes, entries: Sequence[dict]) -> int:
+    """The session entries (and each model's index of them) that boxes publish, each with the TTL ``ttl_s``."""
+
+    def __init__(self, client: SharedClient, signer: ValueSigner, ttl_s: int = 24 * 3600):
+        self.client = client
+        self.signer = signer
+        self.ttl_s = ttl_s
+        self.counters: Counter[str] = Counter()
+
+    def publish_sessions(self, fingerprint: bytes, entries: Sequence[dict]) -> int:
         """Publish session entries (``session_id``, ``namespace``, ``keys``, ``token_ids``, ``num_tokens``,
         ``pinned``, ``box``, ``codec``): what another box needs to list and restore them."""
         if not entries:
             return 0
         import orjson
 
-        ttl, index = self.config.ttl_s, sessions_key(fingerprint)
+        ttl, index = self.ttl_s, sessions_key(fingerprint)
         now = time.time()
         blobs = []
         for entry in entries:
@@ -36,7 +45,7 @@ class SessionEntries:
                                  "keys": base64.b64encode(b"".join(entry["keys"])).decode(),
                                  "key_len": len(entry["keys"][0]) if entry["keys"] else 0,
                                  "token_ids": base64.b64encode(_tokens_bytes(entry.get("token_ids"))).decode()})
-            blobs.append((entry["session_id"], ENTRY_MAGIC + self._mac(body) + body))
+            blobs.append((entry["session_id"], ENTRY_MAGIC + self.signer.mac(body) + body))
 
         def publish(client):
             pipe = client.pipeline(transaction=False)
@@ -46,30 +55,30 @@ class SessionEntries:
             pipe.expire(index, ttl)
             return pipe.execute()
 
-        self._call(publish)
+        self.client.call(publish)
         self.counters["sessions_published"] += len(blobs)
         return len(blobs)
 
-    def unpublish_session(self: "SharedStore", fingerprint: bytes, session_id: str) -> None:
+    def unpublish_session(self, fingerprint: bytes, session_id: str) -> None:
         def remove(client):
             pipe = client.pipeline(transaction=False)
             pipe.delete(entry_key(fingerprint, session_id))
             pipe.zrem(sessions_key(fingerprint), session_id)
             return pipe.execute()
 
-        self._call(remove)
+        self.client.call(remove)
 
-    def session_entry(self: "SharedStore", fingerprint: bytes, session_id: str) -> dict | None:
+    def session_entry(self, fingerprint: bytes, session_id: str) -> dict | None:
         """A published session (keys as bytes, token ids as a list), or None: missing, expired, or
         not signed by a trusted key."""
-        blob = self._call(lambda client: client.get(entry_key(fingerprint, session_id)))
+        blob = self.client.call(lambda client: client.get(entry_key(fingerprint, session_id)))
         return self._parse_entry(blob, full=True)
 
-    def list_sessions(self: "SharedStore", fingerprint: bytes, limit: int = 1000) -> list[dict]:
+    def list_sessions(self, fingerprint: bytes, limit: int = 1000) -> list[dict]:
         """The sessions other boxes (and this one) published for this model, newest first, without
         their keys and token ids."""
         index = sessions_key(fingerprint)
-        ids = self._call(lambda client: client.zrevrange(index, 0, limit - 1))
+        ids = self.client.call(lambda client: client.zrevrange(index, 0, limit - 1))
         ids = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
         if not ids:
             return []
@@ -80,7 +89,7 @@ class SessionEntries:
                 pipe.get(entry_key(fingerprint, session_id))
             return pipe.execute()
 
-        blobs = self._call(get_all)
+        blobs = self.client.call(get_all)
         out, gone = [], []
         for session_id, blob in zip(ids, blobs):
             entry = self._parse_entry(blob, full=False)
@@ -90,18 +99,18 @@ class SessionEntries:
             out.append(entry)
         if gone:  # expired or evicted entries: tidy the index
             try:
-                self._call(lambda client: client.zrem(index, *gone))
+                self.client.call(lambda client: client.zrem(index, *gone))
             except SharedUnavailable:
                 pass
         return out
 
-    def _parse_entry(self: "SharedStore", blob: bytes | None, full: bool) -> dict | None:
+    def _parse_entry(self, blob: bytes | None, full: bool) -> dict | None:
         import orjson
 
-        if not blob or not blob.startswith(ENTRY_MAGIC) or len(blob) < 4 + _MAC_BYTES:
+        if not blob or not blob.startswith(ENTRY_MAGIC) or len(blob) < 4 + MAC_BYTES:
             return None
-        mac, body = blob[4 : 4 + _MAC_BYTES], blob[4 + _MAC_BYTES :]
-        if not self._verified(body, mac):
+        mac, body = blob[4 : 4 + MAC_BYTES], blob[4 + MAC_BYTES :]
+        if not self.signer.verified(body, mac):
             self.counters["rejected_entries"] += 1
             return None
         try:
