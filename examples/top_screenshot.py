@@ -1,5 +1,5 @@
 """Render docs/top.svg (the README's screenshot) from the app itself, replaying the recording in
-tests/data/top.jsonl (a real admin server, recorded with tests/data/make_top_replay.py).
+tests/tui/data/top.jsonl (a real admin server, recorded with tests/tui/data/make_top_replay.py).
 
     python examples/top_screenshot.py [OUT.svg] [WIDTH HEIGHT]
 """
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 async def main(out: Path, size: tuple[int, int]) -> None:
-    last = list(replay(str(ROOT / "tests" / "data" / "top.jsonl")))[-1]  # rates need two samples
+    last = list(replay(str(ROOT / "tests" / "tui" / "data" / "top.jsonl")))[-1]  # rates need two samples
     app = TopApp(lambda: None, interval=3600, first=last)
     async with app.run_test(size=size) as pilot:
         await pilot.pause(0.2)

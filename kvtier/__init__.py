@@ -7,5 +7,5 @@ folder per role: ``plan`` (scheduler half), ``move`` (worker half), ``tiers``, `
 ``codecs``, ``control`` (admin plane), ``launch``, ``diagnose``, ``models``, ``cli``, ``bench``;
 the connector is ``kvtier.plugins.vllm`` and the dashboard ``kvtier.tui``.
 
-Rule: the core never imports ``cli``, ``bench``, ``plugins`` or ``tui`` (tests/test_imports.py).
+Rule: the core never imports ``cli``, ``bench``, ``plugins`` or ``tui`` (tests/unit/structure/test_imports.py).
 """

@@ -1,4 +1,7 @@
-"""Shared fixtures: a small KV geometry, CPU-layout 'HBM' tensors, and engines on real disks."""
+"""Shared fixtures: a small KV geometry, CPU-layout 'HBM' tensors and the demo models.
+
+Helpers a test imports live in ``tests/support`` (engines on real disks, a fake clock, a fake
+mover, the served-engine and terminal harnesses)."""
 from __future__ import annotations
 
 import os
@@ -39,44 +42,6 @@ def hbm(geometry):
     torch.manual_seed(0)
     shape = CpuLayout(geometry).layer_shape(64)
     return [torch.randn(shape).to(torch.bfloat16) for _ in range(geometry.num_layers)]
-
-
-def make_engine(fingerprint, hbm, tmp_path, dram_blocks=8, nvme_blocks=64, policy="lru", **kwargs):
-    from kvtier.engine import TierEngine
-    from kvtier.tiers.nvme.store import file_bytes_for
-
-    block = fingerprint.geometry.block_bytes
-    nvme_bytes = nvme_blocks * file_bytes_for(block)
-    return TierEngine(fingerprint, dram_blocks * block, tmp_path / "nvme" if nvme_blocks else None, nvme_bytes,
-                      policy, kv_layers=hbm, **kwargs)
-
-
-def records_on_disk(nvme_dir) -> list:
-    """(segment file, offset, record bytes) of every block an NVMe directory holds, in disk order
-    (read-only: works beside a running server)."""
-    from kvtier.tiers.nvme.store import NvmeStore
-
-    store = NvmeStore(nvme_dir, 1 << 40, io_threads=1, readonly=True)
-    try:
-        return sorted(store.locate(r.namespace, r.key) for r in store.scan())
-    finally:
-        store.close()
-
-
-def break_disk(nvme):
-    """A real filesystem fault that fails every commit and keeps every record: the tier's index
-    journal moved aside and a directory put in its place (appends fail with EISDIR)."""
-    from kvtier.tiers.nvme.journal import JOURNAL_NAME
-
-    (nvme / JOURNAL_NAME).rename(nvme / "journal.aside")
-    (nvme / JOURNAL_NAME).mkdir()
-
-
-def heal_disk(nvme):
-    from kvtier.tiers.nvme.journal import JOURNAL_NAME
-
-    (nvme / JOURNAL_NAME).rmdir()
-    (nvme / "journal.aside").rename(nvme / JOURNAL_NAME)
 
 
 # --- demo model (kvtier.models.demo) ------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["available", "fp8_decode", "int8_decode", "int4_decode"]
+__all__ = ["available", "use_kernels", "fp8_decode", "int8_decode", "int4_decode"]
 
 log = logging.getLogger(__name__)
 _kernels: dict[str, Any] | None = None
@@ -23,6 +23,13 @@ _failed = False
 
 def available() -> bool:
     return _load() is not None
+
+
+def use_kernels(on: bool) -> None:
+    """Turn the kernels on (compiled again on next use) or off (the torch reference path): a test
+    decodes the same payload both ways to compare them."""
+    global _kernels, _failed
+    _kernels, _failed = None, not on
 
 
 def _load() -> dict[str, Any] | None:

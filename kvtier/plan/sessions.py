@@ -385,5 +385,5 @@ class SessionPlanner:
                 self.table.index.now_in_nvme(row, move.nbytes, move.codec)
             else:
                 self.table.index.now_in_dram(row, move.dram_slot, move.nbytes, move.codec, dirty=True)
-            self.policies[tier].on_insert(row, (move.namespace, move.key))
+            self.table.policies[tier].on_insert(row, (move.namespace, move.key))
             self.telemetry.count("fetched_blocks" if job.kind == JobKind.FETCH else "restored_blocks")

@@ -106,7 +106,7 @@ class TurnRecorder:
                 match += 1
             facts.match_tokens = match * bt
             if match < len(keys) and match < usable_blocks:
-                facts.diverged_at = _divergence(manager, session, request, match, bt)
+                facts.diverged_at = _divergence(manager.session_tokens(session), request, match, bt)
             last = manager.turns.last(state.session_id)
             facts.stores_skipped = last.store_skipped if last is not None else \
                 not worth_keeping(facts.session_tokens, self.decide_cost, on_nvme=False)
@@ -161,11 +161,10 @@ class TurnRecorder:
         count(f"recomputed_tokens_{record.reason}", record.recomputed_tokens)
 
 
-def _divergence(manager: Any, session: Any, request: Any, block: int, bt: int) -> int:
+def _divergence(tokens: Any, request: Any, block: int, bt: int) -> int:
     """The first token of block ``block`` where the prompt differs from the session's stored
-    tokens (the block's first token when the token ids are not known here)."""
+    ``tokens`` (the block's first token when the token ids are not known here)."""
     start = block * bt
-    tokens = manager.session_tokens(session)
     prompt = request.prompt_token_ids
     if tokens is None or prompt is None:
         return start

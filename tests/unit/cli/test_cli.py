@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import make_engine
+from support.engine import make_engine
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app

@@ -10,7 +10,7 @@ import stat
 import threading
 
 import pytest
-from conftest import make_engine
+from support.engine import make_engine
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app

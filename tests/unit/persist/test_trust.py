@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from conftest import make_engine
+from support.engine import make_engine
 
 from kvtier.errors import SnapshotError
 from kvtier.plan.index import Tier, chain_block_hashes, namespace_of

@@ -142,7 +142,7 @@ def test_caps_lower_measured_rates_and_say_so(tmp_path):
 
 
 def test_admin_session_view_reports_the_prediction(fingerprint, hbm, tmp_path):
-    from conftest import make_engine
+    from support.engine import make_engine
 
     from kvtier.control.client import AdminClient
     from kvtier.control.local import LocalAdmin
@@ -195,7 +195,7 @@ def test_doctor_without_a_server(tmp_path):
 def test_doctor_reads_break_even_from_a_server(fingerprint, hbm, tmp_path):
     import json
 
-    from conftest import make_engine
+    from support.engine import make_engine
     from typer.testing import CliRunner
 
     from kvtier.cli.main import app
@@ -255,7 +255,7 @@ def test_worth_keeping_asks_the_break_even():
 def test_demotion_drops_sessions_whose_restore_would_lose_to_recompute(fingerprint, hbm, tmp_path):
     """Under DRAM pressure a long session goes to NVMe, a short one below the NVMe break-even is
     dropped (not written), and one pinned to NVMe is written whatever the model says."""
-    from conftest import make_engine
+    from support.engine import make_engine
 
     from kvtier.plan.index import IN_NVME, Tier, chain_block_hashes, namespace_of
 

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import make_engine
+from support.engine import make_engine
 
 from kvtier.errors import CapacityError, NotFoundError, UsageError
 from kvtier.layout import KVGeometry, ModelFingerprint

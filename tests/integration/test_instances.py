@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_engine
+from support.engine import make_engine
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app

@@ -308,7 +308,7 @@ def test_errors_and_config_import_no_heavy_modules() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(
-        Path(__file__).resolve().parents[1])})
+        Path(__file__).resolve().parents[3])})
 
 
 def test_codecs_from_env_and_toml_are_checked(isolated: dict[str, str], tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from conftest import make_engine
 from support.clock import FakeClock
+from support.engine import make_engine
 
 from kvtier.plan.index import chain_block_hashes, namespace_of
 

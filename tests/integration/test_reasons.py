@@ -17,7 +17,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import make_engine
+from support.engine import make_engine
 from typer.testing import CliRunner
 
 from kvtier.plan.index import Tier, chain_block_hashes, namespace_of

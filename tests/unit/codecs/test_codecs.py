@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import make_engine
+from support.engine import make_engine
 
 from kvtier.codecs import get_codec, parse_spec, resolve_codec, transcode
 from kvtier.errors import ConfigError, CorruptBlockError
@@ -116,10 +116,10 @@ for spec in sys.argv[1:]:
     codec = get_codec(spec)
     buf = torch.empty(codec.max_bytes(geometry), dtype=torch.uint8)
     payload = buf[: codec.encode(block, buf, first=True)]
-    fast._failed, fast._kernels = False, None
+    fast.use_kernels(True)
     with_numba = torch.empty_like(block)
     codec.decode(payload, with_numba)
-    fast._failed, fast._kernels = True, None  # the torch reference path
+    fast.use_kernels(False)  # the torch reference path
     reference = torch.empty_like(block)
     codec.decode(payload, reference)
     same[spec] = torch.equal(with_numba.view(torch.int16), reference.view(torch.int16))

@@ -1,8 +1,8 @@
-"""Regenerate tests/data/top.jsonl: a short recording of `kvtier top` watching a real admin server
+"""Regenerate tests/tui/data/top.jsonl: a short recording of `kvtier top` watching a real admin server
 (an in-process tier engine) with sessions in every state and a few finished jobs. The snapshot
 tests and the README screenshot replay it, so they do not depend on timing.
 
-    python tests/data/make_top_replay.py
+    python tests/tui/data/make_top_replay.py
 """
 from __future__ import annotations
 

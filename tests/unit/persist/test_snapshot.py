@@ -29,7 +29,7 @@ from kvtier.persist.snapshot import (
     write_snapshot,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 PAGE = 4096
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16)
 FP = ModelFingerprint("org/model-a", GEOMETRY)

@@ -15,8 +15,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import break_disk, heal_disk, make_engine
 from support.clock import FakeClock
+from support.engine import break_disk, heal_disk, make_engine
 
 from kvtier.jobs import JobKind
 from kvtier.layout import ModelFingerprint

@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import break_disk, heal_disk
+from support.engine import break_disk, heal_disk
 
 from kvtier.bench import faults
 

@@ -23,7 +23,7 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 vllm = pytest.importorskip("vllm")
-from conftest import records_on_disk  # noqa: E402
+from support.engine import records_on_disk  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
