@@ -32,7 +32,28 @@ def handle(ops: "Ops", name: str, params: dict, query: dict, body: dict, fds: li
 
 
 # ---- reads -------------------------------------------------------------------------------------
-def _status(ops: "Ops", **_) -> tuple[int, dict]:
+MAX_WAIT_S = 300.0
+
+
+def _until_clean(ops: "Ops", query: dict) -> None:
+    """``?until=clean&wait_s=N``: answer once no DRAM block lacks an NVMe copy (or after N s):
+    a caller waits on the engine's results instead of polling."""
+    until = query.get("until")
+    if until is None:
+        return
+    if until != "clean":
+        raise ApiError(400, f"unknown until={until[:40]!r}", hint="the one condition is until=clean")
+    try:
+        wait_s = float(query.get("wait_s", "30"))
+    except ValueError:
+        raise ApiError(400, "wait_s must be a number of seconds", hint="for example wait_s=30") from None
+    if not 0 <= wait_s <= MAX_WAIT_S:
+        raise ApiError(400, f"wait_s must be between 0 and {MAX_WAIT_S:.0f}", hint="for example wait_s=30")
+    ops.wait_for(lambda: ops.manager.dirty_stats()["dirty_blocks"] == 0, wait_s)
+
+
+def _status(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
+    _until_clean(ops, query)
     with ops.lock:
         stats = ops.manager.stats()
         states = ops.manager.session_state_counts()
@@ -398,7 +419,8 @@ OPENAPI = {
     "openapi": "3.0.3",
     "info": {"title": "kvtier admin API", "version": API_VERSION},
     "paths": {
-        "/v1/status": {"get": _op("Model, tiers, sessions by state, jobs, warnings")},
+        "/v1/status": {"get": _op("Model, tiers, sessions by state, jobs, warnings (query: until=clean "
+                                  "and wait_s: answer once every DRAM block has an NVMe copy)")},
         "/v1/tiers": {"get": _op("Per tier: bytes, capacity, blocks, codec, tokens per GiB")},
         "/v1/sessions": {"get": _op("Sessions (query: state, sort, limit)")},
         "/v1/sessions/{session}": {"get": _op("One session, with its last turns and why each recomputed",

@@ -48,7 +48,6 @@ class LocalAdmin:
         self.engine = engine
         self.lock = threading.RLock()
         self.paused = _Hold()  # tests: hold jobs in the queue
-        self._settled = threading.Condition(self.lock)  # notified as each job finishes (drain waits on it)
         self._queue: "queue.Queue" = queue.Queue()
         info = {"model": engine.fingerprint.model_id, "api_url": None, "kv_dtype": engine.fingerprint.geometry.dtype,
                 "block_tokens": engine.fingerprint.geometry.block_tokens}
@@ -74,15 +73,13 @@ class LocalAdmin:
             with self.lock:
                 self.engine.manager.complete(result)
                 self.engine.mover.forget_slots(self.engine.manager.slots.drain_freed())
-                self.ops.finished(result)
-                self._settled.notify_all()
+                self.ops.finished(result)  # notifies ops.changed: drain waits on it
 
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until every queued job has run."""
-        with self._settled:
-            if not self._settled.wait_for(
-                    lambda: not any(r.state in ("queued", "running") for r in self.ops.jobs.values()), timeout):
-                raise TimeoutError("admin jobs did not finish")
+        if not self.ops.wait_for(
+                lambda: not any(r.state in ("queued", "running") for r in self.ops.jobs.values()), timeout):
+            raise TimeoutError("admin jobs did not finish")
 
     def stop(self) -> None:
         self._stop = True

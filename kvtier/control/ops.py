@@ -70,6 +70,23 @@ class Ops:
         self.shared = shared  # the shared tier's scheduler side (plugins/vllm/shared.SharedLookups), or None
         self.held_fds: dict[int, int] = {}  # job -> a file a client handed over, open until the job ends
         self.hbm = hbm or (lambda: {"used_bytes": None, "blocks": None, "capacity_bytes": None})
+        # notified (under the lock) whenever job results were applied: a long poll waits on it
+        self.changed = threading.Condition(lock)
+        self.waiting = 0  # requests in wait_for now
+
+    def applied(self) -> None:
+        """Results were applied to the manager (call under the lock): wake the waiting requests."""
+        self.changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block until ``predicate()`` (read under the lock) holds or ``timeout`` passes; whether it holds."""
+        with self.changed:
+            self.waiting += 1
+            self.changed.notify_all()  # whoever waits for a waiter (a test) sees this one
+            try:
+                return self.changed.wait_for(predicate, timeout)
+            finally:
+                self.waiting -= 1
 
     def link_bytes(self) -> dict[str, int]:
         """Bytes moved per kind of move since start (the manager's counters, applied job by job)."""
@@ -102,6 +119,7 @@ class Ops:
         if record.session_id and self.busy.get(record.session_id) == record.job_id:
             del self.busy[record.session_id]
         self._trim()
+        self.applied()
 
     def _trim(self) -> None:
         if len(self.jobs) > 1000:

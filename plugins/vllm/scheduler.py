@@ -439,6 +439,8 @@ class KVTierScheduler:
             self.manager.complete(result)
             if self.ops is not None:
                 self.ops.finished(result)
+        if results and self.ops is not None:
+            self.ops.applied()  # a write-behind report changes the dirty count too
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
         """(hold the request's blocks until its stores are done on every rank, its transfer params)."""

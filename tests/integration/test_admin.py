@@ -617,3 +617,41 @@ def test_the_cli_reaches_the_tcp_listener_with_its_token(fingerprint, hbm, tmp_p
     finally:
         admin.stop()
         engine.close(write_back=False)
+
+
+def test_status_until_clean_answers_when_the_last_dirty_block_is_written(server):
+    """A caller waits on the engine's results (``until=clean``), not by polling: held while the
+    flush job is queued, it answers once that job's result is applied, with nothing dirty."""
+    client = AdminClient(server.sock, timeout=60)
+    try:
+        now = client.get("/v1/status?until=clean&wait_s=0")  # a zero wait answers as things are
+        assert now["dirty"]["dirty_blocks"] == 6
+        server.paused.set()  # the flush job stays queued until released
+        job = client.post("/v1/flush", {})
+        answered: list[dict] = []
+        waiter = threading.Thread(target=lambda: answered.append(
+            AdminClient(server.sock, timeout=60).get("/v1/status?until=clean&wait_s=60")))
+        waiter.start()
+        assert server.ops.wait_for(lambda: server.ops.waiting == 1, 10)  # the long poll waits in the server
+        assert not answered and client.get(f"/v1/jobs/{job['id']}")["state"] == "queued"
+        server.paused.clear()
+        waiter.join(timeout=60)
+        assert answered and answered[0]["dirty"]["dirty_blocks"] == 0
+        assert client.get(f"/v1/jobs/{job['id']}")["state"] == "done"
+    finally:
+        server.paused.clear()
+        client.close()
+
+
+@pytest.mark.parametrize("query, hint", [("until=soon", "until=clean"), ("until=clean&wait_s=x", "wait_s=30"),
+                                         ("until=clean&wait_s=9999", "wait_s=30")])
+def test_status_until_rejects_what_it_cannot_wait_for(server, query, hint):
+    from kvtier.errors import KvtierError
+
+    client = AdminClient(server.sock, timeout=10)
+    try:
+        with pytest.raises(KvtierError) as err:
+            client.get(f"/v1/status?{query}")
+        assert hint in (err.value.hint or "")
+    finally:
+        client.close()
