@@ -78,6 +78,7 @@ class TopApp(App):
         self._banners: tuple[str, ...] | None = None
         self._poke = threading.Event()
         self._stopping = threading.Event()
+        self._poller: threading.Thread | None = None
         self.shown = 0  # snapshots rendered (tests and the benchmark wait on it)
 
     # ---- layout --------------------------------------------------------------------------------
@@ -102,7 +103,11 @@ class TopApp(App):
             self.show(self.snapshot)
         else:
             self._header(None)
-        self.run_worker(self._poll_loop, thread=True, group="poll", name="kvtier-top-poll")
+        # Its own thread, not a Textual thread worker: those share the loop's default executor, whose
+        # idle count can include the thread this never-ending loop holds, so an action's worker would
+        # queue behind it with no thread to run it (a key that never acts).
+        self._poller = threading.Thread(target=self._poll_loop, name="kvtier-top-poll", daemon=True)
+        self._poller.start()
 
     def on_resize(self, event) -> None:
         # tall terminals get every link on its own line; 24 rows get six summed ones
@@ -111,6 +116,8 @@ class TopApp(App):
     def on_unmount(self) -> None:
         self._stopping.set()
         self._poke.set()
+        if self._poller is not None:
+            self._poller.join(timeout=5)  # it stops at its next check (a poll in flight may finish first)
 
     # ---- data ----------------------------------------------------------------------------------
     def _poll_loop(self) -> None:
