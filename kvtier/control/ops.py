@@ -101,6 +101,7 @@ class Ops:
                 record.state = "running"
 
     def finished(self, result) -> None:
+        self.applied()  # any result may change what a waiter waits for, a job with no record too
         held = self.held_fds.pop(result.job_id, None)
         if held is not None:
             os.close(held)
@@ -119,7 +120,6 @@ class Ops:
         if record.session_id and self.busy.get(record.session_id) == record.job_id:
             del self.busy[record.session_id]
         self._trim()
-        self.applied()
 
     def _trim(self) -> None:
         if len(self.jobs) > 1000:
