@@ -250,3 +250,62 @@ def bench_quality(
         typer.echo(", ".join(f"{k.lstrip('_')}={v}" for k, v in context.items()))
 
 
+
+
+def _regimes(text: str) -> tuple[int, ...]:
+    from kvtier.errors import UsageError
+
+    if text == "all":
+        return (1, 2, 3)
+    if text not in ("1", "2", "3"):
+        raise UsageError(f"--regime {text!r} is not a regime", hint="1, 2, 3 or all")
+    return (int(text),)
+
+
+def _size(text: str, flag: str) -> int:
+    from kvtier.config import parse_size
+    from kvtier.errors import ConfigError, UsageError
+
+    try:
+        return parse_size(text)
+    except ConfigError:
+        raise UsageError(f"{flag} {text!r} is not a size", hint=f"e.g. {flag} 40MiB") from None
+
+
+@bench_app.command("agents")
+@handle_errors
+def bench_agents(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (the summary keys)."),
+    quick: bool = typer.Option(False, "--quick", help="One seed, arms vllm, floor and kvtier, shorter sessions."),
+    regime: str = typer.Option("all", "--regime", help="1, 2, 3 or all (working set vs engine cache and DRAM)."),
+    arms: str = typer.Option("", "--arms", help="Comma-separated: vllm, floor, kvtier, native, lmcache "
+                                                 "(default: all; --quick: vllm,floor,kvtier)."),
+    trace_file: Optional[Path] = typer.Option(None, "--trace", help="Replay this JSONL trace instead of "
+                                                                     "generating one (every regime runs it)."),
+    model: str = typer.Option("tiny", "--model", help="A model directory (default: the tiny demo model)."),
+    engine_kv: str = typer.Option("40MiB", "--engine-kv", help="The engine's KV cache (vLLM's "
+                                                                "--kv-cache-memory-bytes)."),
+    dram: str = typer.Option("160MiB", "--dram", help="kvtier's DRAM tier (the regimes scale with it)."),
+    concurrency: int = typer.Option(4, "--concurrency", "-c", help="Requests in flight at most (C)."),
+    sessions: Optional[int] = typer.Option(None, "--sessions", min=1, max=1000,
+                                           help="Sessions per regime (default 12; --quick 8)."),
+    seeds: int = typer.Option(3, "--seeds", min=1, max=10, help="Seeds (median and range; --quick: 1)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write the TTFT CDFs here (PNG)."),
+    out_dir: Path = typer.Option(Path("kvtier-bench-agents"), "--out", help="Per-request JSONL and results.json."),
+) -> None:
+    """Agent sessions against plain vLLM, a big-cache floor and kvtier serve, in three regimes."""
+    from kvtier.bench.agents.bench import run_agents_bench
+    from kvtier.bench.agents.report import SUMMARY_KEYS
+    from kvtier.bench.agents.run import parse_arms
+    from kvtier.bench.agents.trace import read_trace
+
+    chosen = parse_arms(arms, quick)
+    regimes = _regimes(regime)
+    trace = read_trace(trace_file) if trace_file is not None else None
+    if plot is not None and plot.suffix.lower() != ".png":
+        from kvtier.errors import UsageError
+
+        raise UsageError(f"--plot {plot} is not a .png file", hint="e.g. --plot agents.png")
+    sizes = _size(engine_kv, "--engine-kv"), _size(dram, "--dram")
+    run_vllm_bench("kvtier bench agents", SUMMARY_KEYS, lambda progress: run_agents_bench(
+        model, quick, chosen, regimes, *sizes, concurrency, sessions, trace, out_dir, seeds, plot, progress), json_out)

@@ -21,13 +21,16 @@ class Served:
 
     def __init__(self, model: str, base: Path, name: str, max_len: int, write_behind: str = "10",
                  nvme_dir: Path | None = None, vllm_args: tuple[str, ...] = (), connector: bool = True,
-                 serve_args: tuple[str, ...] = (), instance: str | None = None, served_name: str = "tiny"):
+                 serve_args: tuple[str, ...] = (), instance: str | None = None, served_name: str = "tiny",
+                 max_seqs: int = 1, dram: str = "1GiB", nvme: str = "8GiB"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = base / f"{name}.log"
         self.env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(base), VLLM_CPU_KVCACHE_SPACE="1",
                         VLLM_CACHE_ROOT=str(base / "vllm-cache"), PYTHONUNBUFFERED="1",
                         XDG_RUNTIME_DIR=str(base / "run"), KVTIER_SNAPSHOT_DIR=str(base / "snapshots"))
+        if any(arg.split("=", 1)[0] == "--kv-cache-memory-bytes" for arg in vllm_args):
+            del self.env["VLLM_CPU_KVCACHE_SPACE"]  # it would beat the flag (vLLM's CPU platform)
         (base / "run").mkdir(exist_ok=True)
         from kvtier.control.instances import instance_socket
 
@@ -35,11 +38,11 @@ class Served:
         self.socket = instance_socket(self.instance, self.env)
         self.served_name = served_name
         served = ["--max-model-len", str(max_len), "--enforce-eager", "--served-model-name", served_name,
-                  "--max-num-seqs", "1", *vllm_args]
+                  "--max-num-seqs", str(max_seqs), *vllm_args]
         if connector:
             named = ("--instance", instance) if instance else ()
             cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", model, "--port", str(self.port), *named,
-                   "--dram", "1GiB", "--nvme-dir", str(nvme_dir or base / "nvme"), "--nvme", "8GiB",
+                   "--dram", dram, "--nvme-dir", str(nvme_dir or base / "nvme"), "--nvme", nvme,
                    "--write-behind", write_behind, *serve_args, "--", *served]
         else:  # plain vLLM with kvtier serve's environment (the same cores, threads and KV space)
             from kvtier.launch.serve import is_cpu_only, vllm_cpu_env
