@@ -8,8 +8,9 @@ background durability step, run on demand here.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvtier.jobs import Job, JobResult
 from kvtier.layout import ModelFingerprint, adapter_for
@@ -49,6 +50,7 @@ class TierEngine:
         shared: "SharedConfig | None" = None,
         box: str | None = None,
         cost: "CostModel | None" = None,
+        wall_clock: Callable[[], float] = time.time,
     ):
         # with tensor parallelism (``fingerprint.shards`` > 1) this is one rank's engine: the manager
         # plans for the whole engine, the mover moves (and its files carry) the rank's own shard
@@ -65,7 +67,7 @@ class TierEngine:
         self.manager = TierManager(fingerprint, dram_bytes, nvme_bytes if self.nvme is not None else 0, policy,
                                    high_watermark, low_watermark, records, warm_codec, cold_codec,
                                    nvme_removed_at_start=self.nvme.removed_at_scan if self.nvme is not None else 0,
-                                   catalog=self.catalog, cost=cost)
+                                   catalog=self.catalog, cost=cost, wall_clock=wall_clock)
         self.arena = DramArena.for_allocator(self.manager.slots)
         adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
         shard = fingerprint.for_rank(rank) if fingerprint.shards > 1 else fingerprint
@@ -166,8 +168,8 @@ class TierEngine:
             return 0
 
     # ---- operator actions ---------------------------------------------------------------------
-    def pin(self, session_id: str, tier: Tier = Tier.DRAM) -> None:
-        self.execute(self.manager.pin(session_id, tier))
+    def pin(self, session_id: str, tier: Tier = Tier.DRAM, for_s: float | None = None) -> None:
+        self.execute(self.manager.pin(session_id, tier, for_s))
         self.maintain()
         self.manager.sync_catalog()
 

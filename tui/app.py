@@ -36,7 +36,7 @@ from kvtier.tui.widgets import (
     TiersPanel,
     idle_text,
 )
-from kvtier.units import human_bytes
+from kvtier.units import human_bytes, human_duration
 
 __all__ = ["TopApp"]
 
@@ -205,11 +205,24 @@ class TopApp(App):
 
     def _cells(self, row: SessionRow) -> tuple:
         codec = row.codec_dram if row.codec_dram == row.codec_nvme else f"{row.codec_dram}/{row.codec_nvme}"
-        state = row.state + (f"·{row.pinned}" if row.pinned else "")
-        return (self._key(row), Text(state, style=STATE_STYLE.get(row.state, "")), f"{row.tokens:,}",
+        return (self._key(row), Text(self._state(row), style=STATE_STYLE.get(row.state, "")), f"{row.tokens:,}",
                 human_bytes(row.bytes_dram) if row.bytes_dram else "-",
                 human_bytes(row.bytes_nvme) if row.bytes_nvme else "-", codec, idle_text(self._idle(row)),
                 self._next_turn(row), f"#{row.job}" if row.job else "")
+
+    def _left(self, until: float | None) -> float | None:
+        """Seconds from the snapshot to ``until`` (None: no time limit)."""
+        return None if until is None else max(0.0, until - (self.snapshot.taken if self.snapshot else time.time()))
+
+    def _state(self, row: SessionRow) -> str:
+        """``pinned·dram``, with a timed pin's time left (``pinned·dram 29m``); a live retention hint
+        adds ``·kept 5m``."""
+        state = row.state + (f"·{row.pinned}" if row.pinned else "")
+        if row.pinned and row.pin_expires_at is not None:
+            state += f" {idle_text(self._left(row.pin_expires_at))}"
+        if row.retain_expires_at is not None:
+            state += f"·kept {idle_text(self._left(row.retain_expires_at))}"
+        return state
 
     @staticmethod
     def _next_turn(row: SessionRow) -> str:
@@ -453,7 +466,10 @@ class TopApp(App):
         row = self._row(session) if session else None
         if row is None:
             return
-        lines = [f"{'state':<12}{row.state}" + (f" (pinned to {row.pinned})" if row.pinned else ""),
+        pin_left = self._left(row.pin_expires_at) if row.pinned else None
+        pinned = f" (pinned to {row.pinned}" + (f", for {human_duration(pin_left)} more" if pin_left is not None
+                                                else "") + ")" if row.pinned else ""
+        lines = [f"{'state':<12}{row.state}{pinned}",
                  f"{'tokens':<12}{row.tokens:,} in {row.blocks:,} blocks",
                  f"{'DRAM':<12}{row.blocks_dram:,} blocks, {human_bytes(row.bytes_dram)} ({row.codec_dram})",
                  f"{'NVMe':<12}{row.blocks_nvme:,} blocks, {human_bytes(row.bytes_nvme)} ({row.codec_nvme})",
@@ -463,6 +479,9 @@ class TopApp(App):
                                          f"{row.decision}" if row.restore_s is not None else
                                          "no cost model yet (the engine has not timed enough prefill)"),
                  f"{'job':<12}{'#' + str(row.job) if row.job else 'none in flight'}"]
+        if row.retain_expires_at is not None:
+            lines.append(f"{'retained':<12}{human_duration(self._left(row.retain_expires_at))} more, priority "
+                         f"{row.retain_priority} (a request's hint: its blocks leave their tier last)")
         if row.instance:
             lines.append(f"{'instance':<12}{row.instance}")
         lines += self._turns(row)

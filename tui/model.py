@@ -57,6 +57,9 @@ class SessionRow:
     restore_s: float | None = None
     recompute_s: float | None = None
     instance: str | None = None  # set in the all-instances view
+    pin_expires_at: float | None = None  # unix time a timed pin ends (None: no pin, or pinned until unpinned)
+    retain_expires_at: float | None = None  # unix time a request's retention hint ends (None: none live)
+    retain_priority: int | None = None
 
 
 @dataclass(frozen=True)

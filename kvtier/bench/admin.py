@@ -28,8 +28,16 @@ __all__ = ["run_admin_bench", "ADMIN_KEYS", "fuzz", "is_valid_request"]
 
 ADMIN_KEYS = ("p99_ms_under_load", "fuzz_requests", "fuzz_crashes", "fuzz_accepted_invalid")
 SESSIONS = ("agent-1", "agent-2")
-_ACTIONS = {"pin": {"tier": ("dram", "nvme")}, "unpin": {}, "evict": {"to": ("dram", "nvme", "drop")},
-            "snapshot": {"path": None}}
+
+
+def _pin_seconds(value) -> bool:
+    """A timed pin's ``for_s``: absent (null), or more than 0 seconds and at most 366 days."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                             and 0 < value <= 366 * 86400)
+
+
+_ACTIONS = {"pin": {"tier": ("dram", "nvme"), "for_s": _pin_seconds}, "unpin": {},
+            "evict": {"to": ("dram", "nvme", "drop")}, "snapshot": {"path": None}}
 
 
 # ---- the oracle --------------------------------------------------------------------------------
@@ -64,6 +72,9 @@ def is_valid_request(method: str, path: str, body: bytes | None, known_sessions=
         allowed = fields[name]
         if allowed is None:  # a snapshot path: a plain *.kvsnap file name (no traversal)
             if not _plain_snapshot_name(value):
+                return False
+        elif callable(allowed):
+            if not allowed(value):
                 return False
         elif value not in allowed:
             return False
@@ -131,6 +142,7 @@ def fuzz(sock_path: str, examples: int, seed: int = 0, snapshot_dir: Path | None
                                             "path": st.sampled_from(["a.kvsnap", "../x.kvsnap", "/etc/passwd", "", "\0",
                                                                      "b.txt",
                                                                      ".kvsnap", "sub/c.kvsnap"]),
+                                            "for_s": st.sampled_from([1800, 0.5, 0, -60, "30m", None, True, 1e12]),
                                             "extra": st.integers()}).map(lambda d: json.dumps(d).encode()),
     )
     methods = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "BREW"])

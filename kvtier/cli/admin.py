@@ -176,9 +176,28 @@ def sessions(
     rows = [(s["session_id"], s["state"] + (" (partial)" if s.get("blocks_missing") and s["state"] != "gone"
                                              else ""),
              f"{s['tokens']:,}", human_bytes(s["bytes_dram"]),
-             human_bytes(s["bytes_nvme"]), s["pinned"] or "-", _ago(s["last_use"])) for s in doc["sessions"]]
+             human_bytes(s["bytes_nvme"]), _pin_text(s), _retain_text(s), _ago(s["last_use"]))
+            for s in doc["sessions"]]
     print_table(f"sessions ({len(rows)} of {doc['total']})",
-                ["session", "state", "tokens", "DRAM", "NVMe", "pinned", "last use"], rows)
+                ["session", "state", "tokens", "DRAM", "NVMe", "pinned", "retained", "last use"], rows)
+
+
+def _pin_text(s: dict) -> str:
+    """``dram``, ``nvme (29m left)`` for a timed pin, or ``-``."""
+    from kvtier.units import human_duration
+
+    if not s.get("pinned"):
+        return "-"
+    left = s.get("pin_left_s")
+    return s["pinned"] + (f" ({human_duration(left)} left)" if left is not None else "")
+
+
+def _retain_text(s: dict) -> str:
+    """A live retention hint: ``4m12s left, priority 2``, or ``-``."""
+    from kvtier.units import human_duration
+
+    left = s.get("retain_left_s")
+    return "-" if left is None else f"{human_duration(left)} left, priority {s.get('retain_priority')}"
 
 
 def _shared_sessions(doc: dict, json_out: bool) -> None:
@@ -220,7 +239,10 @@ def _session_rows(doc: dict) -> list[tuple]:
     rows = [("state", doc["state"]), ("tokens", f"{doc['tokens']:,}"), ("blocks", doc["blocks"]),
             ("DRAM", f"{doc['blocks_dram']} blocks, {human_bytes(doc['bytes_dram'])}, codec {doc['codec_dram']}"),
             ("NVMe", f"{doc['blocks_nvme']} blocks, {human_bytes(doc['bytes_nvme'])}, codec {doc['codec_nvme']}"),
-            ("pinned", doc["pinned"] or "no"), ("last use", _ago(doc["last_use"])),
+            ("pinned", _pin_text(doc) if doc.get("pinned") else "no"),
+            ("retained", "no" if doc.get("retain_left_s") is None
+             else _retain_text(doc) + " (a request's hint: its blocks leave their tier last)"),
+            ("last use", _ago(doc["last_use"])),
             ("job", doc.get("job") or "-")]
     if doc.get("restore_s") is not None:
         rows.append(("next turn", f"restore {doc['restore_s'] * 1e3:.0f} ms vs recompute "
@@ -249,23 +271,31 @@ def jobs(job_id: Optional[int] = typer.Argument(None, help="One job."),
 
 # ---- writes: each plans a job on the server, then waits for it (or prints its id) ----------------
 def _write(action: str, label: str, session: str, body: dict, wait: bool, json_out: bool,
-           socket: Optional[str]) -> None:
+           socket: Optional[str], suffix: str = "") -> None:
     from kvtier.control.client import AdminClient
 
     client = _client(socket)
     job = client.post(AdminClient.session_path(session, action), body)
-    _finish(client, job, wait, json_out, f"{label} {session}")
+    _finish(client, job, wait, json_out, f"{label} {session}{suffix}")
 
 
 @handle_errors
 def pin(session: str = typer.Argument(..., help="Session id."),
         tier: str = typer.Option("dram", "--tier", help="dram (never demoted) or nvme (never dropped)."),
+        for_: Optional[str] = typer.Option(None, "--for", help="Unpin it after this long: 90s, 30m, 2h, 1d "
+                                                                "(default: until kvtier unpin)."),
         wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the job (default) or print its id."),
         json_out: bool = typer.Option(False, "--json", help="Print the job as JSON."),
         socket: Optional[str] = typer.Option(None, "--socket", help=SOCKET_HELP),
         _instance: Optional[str] = INSTANCE_OPTION) -> None:
-    """Pin a session at a tier."""
-    _write("pin", "pin", session, {"tier": tier}, wait, json_out, socket)
+    """Pin a session at a tier, until unpinned or --for a while."""
+    from kvtier.units import human_duration, parse_duration
+
+    body: dict = {"tier": tier}
+    if for_ is not None:
+        body["for_s"] = parse_duration(for_, "--for")
+    _write("pin", "pin", session, body, wait, json_out, socket,
+           suffix=f" for {human_duration(body['for_s'])}" if "for_s" in body else "")
 
 
 @handle_errors

@@ -164,15 +164,19 @@ def _tier(value: Any, field: str, choices: dict) -> Any:
     return choices[value]
 
 
-def _write(ops: "Ops", kind: str, session: str | None, plan, hold: int | None = None) -> tuple[int, dict]:
+def _write(ops: "Ops", kind: str, session: str | None, plan, hold: int | None = None,
+           detail=None) -> tuple[int, dict]:
     """Plan and submit a job; ``hold``: a handed-over file the job's worker opens, kept open until the
-    job is over (closed at once when the plan fails or nothing had to move)."""
+    job is over (closed at once when the plan fails or nothing had to move); ``detail``: called after
+    the plan (under the lock), what it returns joins the job's record."""
     try:
         with ops.lock:
             if session is not None:
                 ops.manager.session(session)  # 404 before 409
                 ops._check_free(session)
             record = ops._submit(kind, session, plan())
+            if detail is not None:
+                record.detail.update(detail())
             if hold is not None and record.state == "queued":
                 ops.held_fds[record.job_id], hold = hold, None
     finally:
@@ -184,9 +188,24 @@ def _write(ops: "Ops", kind: str, session: str | None, plan, hold: int | None = 
     return 202, record.to_dict()
 
 
+MAX_PIN_S = 366 * 86400.0
+
+
+def _pin_seconds(value: Any) -> float | None:
+    """``for_s`` of a pin: more than 0 seconds, at most a year (absent: pinned until unpinned)."""
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= MAX_PIN_S:
+        raise ApiError(400, f"for_s must be a number of seconds from 0 to {MAX_PIN_S:.0f}, not {value!r:.40}",
+                       hint='e.g. {"tier": "dram", "for_s": 1800}; leave it out to pin until unpinned')
+    return float(value)
+
+
 def _pin(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
     tier = _tier(body.get("tier", "dram"), "tier", _TIERS)
-    return _write(ops, "pin", session, lambda: ops.manager.pin(session, tier))
+    for_s = _pin_seconds(body.get("for_s"))
+    return _write(ops, "pin", session, lambda: ops.manager.pin(session, tier, for_s),
+                  detail=lambda: {"pin_expires_at": ops.manager.session(session).pin_expires})
 
 
 def _unpin(ops: "Ops", session: str, **_) -> tuple[int, dict]:
@@ -427,7 +446,8 @@ OPENAPI = {
                                               params=("session",))},
         "/v1/jobs": {"get": _op("Recent jobs")},
         "/v1/jobs/{job}": {"get": _op("One job", params=("job",))},
-        "/v1/sessions/{session}/pin": {"post": _op("Pin at a tier", {"tier": _TIER_ENUM}, ("session",))},
+        "/v1/sessions/{session}/pin": {"post": _op("Pin at a tier, until unpinned or for for_s seconds", {
+            "tier": _TIER_ENUM, "for_s": {"type": "number", "exclusiveMinimum": 0}}, ("session",))},
         "/v1/sessions/{session}/unpin": {"post": _op("Unpin", {}, ("session",))},
         "/v1/sessions/{session}/evict": {"post": _op("Evict to a tier or drop", {
             "to": {"type": "string", "enum": ["dram", "nvme", "drop"]}}, ("session",))},

@@ -225,7 +225,7 @@ _ROUTES: list[tuple[str, re.Pattern, str]] = [
         ("POST", "/v1/shared/restore", "shared_restore"),
     ]
 ]
-_BODY_FIELDS = {"pin": {"tier"}, "unpin": set(), "evict": {"to"}, "snapshot": {"path", "fd"},
+_BODY_FIELDS = {"pin": {"tier", "for_s"}, "unpin": set(), "evict": {"to"}, "snapshot": {"path", "fd"},
                 "restore": {"path", "fd", "tier", "cache_salt", "trust_unsigned"}, "flush": {"session"},
                 "shared_restore": {"session", "tier", "cache_salt"}}
 

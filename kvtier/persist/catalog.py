@@ -1,9 +1,10 @@
 """The session catalog: what a restart needs to know about sessions, in SQLite next to the NVMe tier.
 
 NVMe block files say which blocks exist, not which session they belong to. The catalog keeps, per
-session: its ordered block keys and token ids (what a snapshot needs), token count, pin, creation
-and last use, namespace. A restart reads it back, so every session whose blocks are on NVMe is
-listed (``cold``), keeps its pin, and can be inspected, pinned or snapshotted before its next turn.
+session: its ordered block keys and token ids (what a snapshot needs), token count, pin (and when a
+timed pin ends), a request's retention hint, creation and last use, namespace. A restart reads it
+back, so every session whose blocks are on NVMe is listed (``cold``), keeps its pin (one whose time
+ran out meanwhile is dropped), and can be inspected, pinned or snapshotted before its next turn.
 
 Why SQLite (standard library, WAL mode): atomic multi-row transactions, crash safety that is
 tested far beyond anything home-made, readers that never block the writer, and a file an operator
@@ -57,6 +58,9 @@ _TOKEN_DTYPE = "<u4"
 
 # A session row is four columns, its fixed fields packed in ``meta`` (key length, token count, pin,
 # created, last use, then an xxh3 of the whole row): start-up reads 100k sessions in a few hundred ms.
+# A session with a time limit (a timed pin, a retention hint) has ``_TIMES`` between the fields and
+# the xxh3; one without is written as before, so older kvtier versions still read it, and a row of
+# theirs (no ``_TIMES``) reads as a session with no time limit.
 # Token ids, needed only for snapshots, live in their own table so the start-up scan never reads them.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -70,6 +74,7 @@ CREATE TABLE IF NOT EXISTS sessions (
 CREATE TABLE IF NOT EXISTS tokens (session_id TEXT PRIMARY KEY, data BLOB NOT NULL, crc INTEGER NOT NULL);
 """
 _META = struct.Struct("<IQbdd")  # key_len, num_tokens, pinned (-1: none), created, last_use
+_TIMES = struct.Struct("<ddi")  # pin_expires (0: none), retain_until (0: none), retain_priority
 _CRC = struct.Struct("<Q")
 
 
@@ -92,10 +97,15 @@ class SessionRecord:
     created: float
     last_use: float
     token_ids: bytes | None = None  # little-endian uint32; None on upsert: keep the stored ones
+    pin_expires: float | None = None  # wall clock when a timed pin ends
+    retain_until: float | None = None  # wall clock when a retention hint ends
+    retain_priority: int = 0
 
     def packed_meta(self) -> bytes:
         fields = _META.pack(self.key_len, self.num_tokens, -1 if self.pinned is None else self.pinned,
                             self.created, self.last_use)
+        if self.pin_expires is not None or self.retain_until is not None:
+            fields += _TIMES.pack(self.pin_expires or 0.0, self.retain_until or 0.0, self.retain_priority)
         return fields + _CRC.pack(_row_crc(self.session_id, self.namespace, self.keys, fields))
 
 
@@ -258,18 +268,20 @@ class Catalog:
             except sqlite3.DatabaseError as exc:
                 return self._recover(exc)
         sessions: list[Session] = []
-        append, size, full = sessions.append, _META.size, _META.size + 8
+        append, size, timed = sessions.append, _META.size, _META.size + _TIMES.size
         unpack, crc_of, digest, join = _META.unpack_from, _CRC.unpack_from, xxhash.xxh3_64_intdigest, b"".join
-        new, valid = Session.__new__, _SESSION_ID.match
+        new, valid, times = Session.__new__, _SESSION_ID.match, _TIMES.unpack_from
         tiers: dict = {int(t): t for t in Tier}
         tiers[-1] = None
         for session_id, ns, keys, meta in rows:
             try:
                 namespace = namespaces[ns]
                 key_len, num_tokens, pinned, created, last_use = unpack(meta)
-                ok = len(meta) == full and key_len > 0 and len(keys) % key_len == 0 and pinned in tiers and \
-                    crc_of(meta, size)[0] == digest(join((session_id.encode(), b"\0", namespace, keys, meta[:size]))) \
+                body = len(meta) - 8  # the fields, with or without _TIMES, then the xxh3
+                ok = body in (size, timed) and key_len > 0 and len(keys) % key_len == 0 and pinned in tiers and \
+                    crc_of(meta, body)[0] == digest(join((session_id.encode(), b"\0", namespace, keys, meta[:body]))) \
                     and valid(session_id) is not None
+                pin_expires, retain_until, priority = times(meta, size) if ok and body == timed else (0.0, 0.0, 0)
             except (KeyError, TypeError, ValueError, AttributeError, struct.error):
                 ok = False
             if not ok:
@@ -280,6 +292,8 @@ class Catalog:
             session._key_len, session.num_tokens = key_len, num_tokens
             session.created, session.last_use = created, last_use
             session.pinned, session.hot, session.token_ids, session.tokens_dirty = tiers[pinned], False, None, False
+            session.pin_expires = pin_expires if pin_expires and pinned >= 0 else None
+            session.retain_until, session.retain_priority = (retain_until, priority) if retain_until else (None, 0)
             append(session)
         if self.bad_rows:
             message = f"session catalog: {self.bad_rows} damaged rows skipped (those sessions are not listed)"

@@ -54,6 +54,7 @@ class CatalogLog:
         finally:
             if collecting:
                 gc.enable()
+        self._time_limits()
         pin = self._table.index.col["pin"]
         for session in self._sessions.values():  # a block takes the hottest pin of the sessions holding it
             if session.pinned is not None:
@@ -63,6 +64,23 @@ class CatalogLog:
             self._telemetry.warn("catalog", message)
         self._telemetry.counters["catalog_sessions_at_start"] = len(self._sessions)
         self._telemetry.counters["catalog_start_ms"] = int((time.perf_counter() - started) * 1000)
+
+    def _time_limits(self) -> None:
+        """Timed pins and retention hints read back: those whose time ran out while no server ran are
+        dropped (the sessions' rows rewritten without them), the others count again."""
+        table, now = self._table, self._table.wall_clock()
+        for session in self._sessions.values():
+            if session.pin_expires is not None:
+                if session.pin_expires > now:
+                    table.timed_pins.add(session.session_id)
+                else:
+                    session.pinned, session.pin_expires = None, None
+                    self.mark_changed(session.session_id)
+                    self._telemetry.count("pins_expired")
+            if session.retain_until is not None:
+                if session.retain_until <= now:
+                    self.mark_changed(session.session_id)
+                table.retain(session, session.retain_until, session.retain_priority)
 
     # ---- what changed -------------------------------------------------------------------------
     def mark_changed(self, session_id: str) -> None:
@@ -138,7 +156,8 @@ class CatalogLog:
                 session.tokens_dirty = False
             upserts.append(SessionRecord(session_id, session.namespace, blob, key_len, int(session.num_tokens),
                                          None if session.pinned is None else int(session.pinned),
-                                         float(session.created), float(session.last_use), tokens))
+                                         float(session.created), float(session.last_use), tokens,
+                                         session.pin_expires, session.retain_until, session.retain_priority))
         return upserts, sorted(gone - dirty)
 
     def write_catalog(self, batch: tuple[list, list[str]], lock=None) -> bool:

@@ -97,7 +97,7 @@ class Session:
     """
 
     __slots__ = ("session_id", "namespace", "_keys", "_blob", "_key_len", "num_tokens", "last_use", "created",
-                 "pinned", "hot", "token_ids", "tokens_dirty")
+                 "pinned", "hot", "token_ids", "tokens_dirty", "pin_expires", "retain_until", "retain_priority")
 
     def __init__(self, session_id: str, namespace: bytes, keys: list[bytes] | None = None, num_tokens: int = 0,
                  last_use: float | None = None, pinned: "Tier | None" = None, hot: bool = False,
@@ -113,6 +113,9 @@ class Session:
         self.hot = hot  # vLLM holds it in HBM (reported by the connector)
         self.token_ids = None  # numpy uint32 of the tokens its full blocks cover (None: not known here)
         self.tokens_dirty = False  # token_ids changed since the catalog last saved them
+        self.pin_expires: float | None = None  # wall clock when a timed pin ends (None: pinned until unpinned)
+        self.retain_until: float | None = None  # wall clock when a request's retention hint ends (None: none)
+        self.retain_priority = 0  # that hint's priority (kvtier.plan.retention)
 
     @property
     def keys(self) -> list[bytes]:
@@ -156,6 +159,7 @@ class BlockIndex:
         "nvme_codec": np.uint8,
         "refs": np.int32,
         "pin": np.uint8,  # 0: not pinned; else the coldest Tier the block may sink to
+        "retain": np.uint32,  # 0: no live retention hint; else the strongest priority + 1 (leaves its tier last)
         "ns": np.uint16,
         "last_use": np.uint64,
         "reach": np.uint32,  # tokens of the longest stored prefix through this block (0: unknown)
@@ -225,7 +229,8 @@ class BlockIndex:
             self._keys.append(key)
         ns_id = self._ns_id(namespace)
         self._maps[namespace][key] = row
-        for name in ("dram_nbytes", "nvme_nbytes", "dram_codec", "nvme_codec", "refs", "pin", "reach", "dirty_since"):
+        for name in ("dram_nbytes", "nvme_nbytes", "dram_codec", "nvme_codec", "refs", "pin", "retain", "reach",
+                     "dirty_since"):
             self.col[name][row] = 0
         self.col["dram_slot"][row] = dram_slot
         self.col["reach"][row] = reach
@@ -289,6 +294,12 @@ class BlockIndex:
         """The block takes the hottest pin of the sessions holding it (``tier``: a ``Tier`` value)."""
         pin = self.col["pin"]
         pin[row] = tier if pin[row] == 0 else min(int(pin[row]), tier)
+
+    def retain_at_least(self, rows: np.ndarray, value: int) -> None:
+        """The blocks take a session's retention (``value``: its priority + 1) unless theirs is stronger."""
+        if len(rows) and value:
+            retain = self.col["retain"]
+            retain[rows] = np.maximum(retain[rows], value)
 
     def key_of(self, row: int) -> tuple[bytes, bytes]:
         key = self._keys[row]

@@ -64,6 +64,7 @@ class TierManager:
         cost: "CostModel | None" = None,
         block_keys: Callable[[list[int], str | None], list[bytes]] | None = None,
         clock: Clock = time.monotonic,
+        wall_clock: Clock = time.time,
     ):
         """``nvme_records``: the blocks an NVMe scan found; ``nvme_removed_at_start``: the damaged
         files that scan deleted (counted, and a lasting warning); ``catalog``: the session catalog
@@ -71,7 +72,8 @@ class TierManager:
         connector's cost model (demotion asks it whether a victim is worth writing); ``block_keys``:
         how block keys are computed from token ids (vLLM's own hash in the connector; restores
         recompute keys with it and never trust a file's), a sha256 chain when None; ``clock``: the
-        clock of the NVMe write back-off (a test moves it instead of sleeping)."""
+        clock of the NVMe write back-off, ``wall_clock`` the one timed pins and retention hints end by
+        (a test moves them instead of sleeping)."""
         self.fingerprint = fingerprint
         self.geometry = geometry = fingerprint.geometry
         self.block_keys: Callable[[list[int], str | None], list[bytes]] = block_keys or (
@@ -80,7 +82,7 @@ class TierManager:
         self.telemetry = Telemetry()
         self.jobbook = JobBook()
         self.table = BlockTable(geometry, dram_bytes, nvme_bytes, policy, resolve_codec(warm_codec, geometry, "warm"),
-                                resolve_codec(cold_codec, geometry, "cold"), self.telemetry)
+                                resolve_codec(cold_codec, geometry, "cold"), self.telemetry, wall_clock)
         for record in nvme_records:
             self.table.adopt_nvme_block(record.namespace, record.key, record.nbytes)
         if nvme_removed_at_start:
@@ -255,12 +257,20 @@ class TierManager:
         """The token ids of the session's full blocks: held in memory, else read from the catalog."""
         return self.catalog_log.session_tokens(session)
 
-    def pin(self, session_id: str, tier: Tier = Tier.DRAM) -> Job | None:
-        """Pin a session at ``tier`` (see ``SessionPlanner.pin``)."""
-        return self.planner.pin(session_id, tier)
+    def pin(self, session_id: str, tier: Tier = Tier.DRAM, for_s: float | None = None) -> Job | None:
+        """Pin a session at ``tier``, for ``for_s`` seconds or until unpinned (see ``SessionPlanner.pin``)."""
+        return self.planner.pin(session_id, tier, for_s)
 
     def unpin(self, session_id: str) -> None:
         self.planner.unpin(session_id)
+
+    def retain(self, session_id: str, seconds: float, priority: int) -> None:
+        """A request's retention hint: see ``SessionPlanner.retain`` and ``kvtier.plan.retention``."""
+        self.planner.retain(session_id, seconds, priority)
+
+    def expire(self) -> list[str]:
+        """End timed pins and retention hints whose time is up (maintenance does it too)."""
+        return self.planner.expire()
 
     def promote(self, session_id: str) -> Job | None:
         return self.planner.promote(session_id)
@@ -316,7 +326,9 @@ class TierManager:
 
     # ---- pressure and the disk ----------------------------------------------------------------
     def maintenance(self, force: bool = False) -> list[Job]:
-        """Jobs that bring DRAM back under its low watermark once past the high one (or ``force``)."""
+        """Timed pins and retention hints that ran out end; then the jobs that bring DRAM back under its
+        low watermark once past the high one (or ``force``)."""
+        self.planner.expire()
         return self.pressure.maintenance(force)
 
     def flush(self, session_id: str | None = None) -> Job | None:
@@ -399,6 +411,7 @@ class TierManager:
                 self.table.index.pin_at_least(row, pinned)
             self.table.policies[Tier.DRAM].on_insert(row, (move.namespace, move.key))
             self.telemetry.count("stored_blocks")
+        self.table.note_retained(session)  # a retained session's new blocks are retained too
 
     # ---- loads --------------------------------------------------------------------------------
     def prepare_load(self, rows: Sequence[int], device_blocks: Sequence[int]) -> Job | None:

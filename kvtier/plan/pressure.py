@@ -53,11 +53,11 @@ class Pressure:
         high watermark.
         """
         queued = self.jobs.take_queued()
-        slots, index = self.table.slots, self.table.index
+        slots = self.table.slots
         if slots.used_slots <= self.high * slots.num_slots and not force:
             return queued
         target = int(self.low * slots.num_slots)
-        order = self.table.policies[Tier.DRAM].order(index, index.candidates(Tier.DRAM))
+        order = self.table.victims(Tier.DRAM)  # the policy's order, retained sessions' blocks last
         need = slots.used_slots - target
         return queued + [job for job in [self.demote_rows(order[:need])] if job is not None]
 
@@ -118,7 +118,7 @@ class Pressure:
         if budget.used + size <= self.high * budget.capacity:
             return True
         target = self.low * budget.capacity - size
-        order = table.policies[Tier.NVME].order(table.index, table.index.candidates(Tier.NVME))
+        order = table.victims(Tier.NVME)  # the policy's order, retained sessions' blocks last
         for row in map(int, order):
             if budget.used <= target:
                 break

@@ -1,5 +1,6 @@
-"""Sessions and the operator's actions on them: recording a session's latest prompt, pin, unpin,
-promote, evict, snapshot, restore, and fetches from the shared store, with their completions.
+"""Sessions and the operator's actions on them: recording a session's latest prompt, pin (for good or
+for a while), unpin, a request's retention hint, promote, evict, snapshot, restore, and fetches from
+the shared store, with their completions.
 
 ``SessionPlanner`` owns no block state of its own: it plans on the block table (where sessions and
 their blocks live), asks pressure for NVMe room and demotions, notes changed sessions in the
@@ -8,6 +9,7 @@ plans; the mover does the IO.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -66,6 +68,7 @@ class SessionPlanner:
         if len(rows):  # every stored block of the session is on a prefix at least this long
             reach = self.table.index.col["reach"]
             reach[rows] = np.maximum(reach[rows], min(session.num_tokens, 0xFFFFFFFF))
+        self.table.note_retained(session)  # blocks another session stored may have joined it
         return session
 
     def _record_tokens(self, session: Session, token_ids: Sequence[int], extends: bool) -> None:
@@ -82,13 +85,16 @@ class SessionPlanner:
         session.tokens_dirty = True
 
     # ---- pins ---------------------------------------------------------------------------------
-    def pin(self, session_id: str, tier: Tier = Tier.DRAM) -> Job | None:
+    def pin(self, session_id: str, tier: Tier = Tier.DRAM, for_s: float | None = None) -> Job | None:
         """Pin a session at ``tier``: never dropped, never below ``tier``, and durable: its DRAM-only
         blocks are written to NVMe now (a FLUSH job) and as it grows (stores marked ``durable``).
-        Returns the PROMOTE job a DRAM pin needs (the flush then follows with the next maintenance),
-        else the FLUSH job."""
+        ``for_s``: the pin ends that many seconds from now (``expire``: as an unpin does); None: until
+        unpinned (a pin again replaces the time limit). Returns the PROMOTE job a DRAM pin needs (the
+        flush then follows with the next maintenance), else the FLUSH job."""
         if tier not in (Tier.DRAM, Tier.NVME):
             raise UsageError(f"cannot pin to {tier.name.lower()}", hint="pin to dram or nvme")
+        if for_s is not None and not (isinstance(for_s, (int, float)) and math.isfinite(for_s) and for_s > 0):
+            raise UsageError(f"cannot pin for {for_s!r} seconds", hint="a pin lasts more than 0 seconds")
         session = self.table.session(session_id)
         rows = self.table.session_rows(session)
         flags = self.table.index.col["flags"]
@@ -102,6 +108,11 @@ class SessionPlanner:
                     hint="raise --dram, unpin another session, or pin it to nvme",
                 )
         session.pinned = tier
+        session.pin_expires = None if for_s is None else self.table.wall_clock() + for_s
+        if for_s is None:
+            self.table.timed_pins.discard(session_id)
+        else:
+            self.table.timed_pins.add(session_id)
         self._recompute_pins(rows)
         self.catalog_log.mark_changed(session_id)
         flush = self.pressure.flush(session_id) if self.table.nvme.capacity else None
@@ -113,8 +124,30 @@ class SessionPlanner:
 
     def unpin(self, session_id: str) -> None:
         session = self.table.session(session_id)
-        session.pinned = None
+        session.pinned, session.pin_expires = None, None
+        self.table.timed_pins.discard(session_id)
         self._recompute_pins(self.table.session_rows(session))
+        self.catalog_log.mark_changed(session_id)
+
+    def expire(self) -> list[str]:
+        """End what ran out of time (wall clock): timed pins are unpinned (exactly as ``unpin``),
+        retention hints stop counting. Returns the sessions whose pin ended."""
+        self.table.expire_retention()
+        now, sessions = self.table.wall_clock(), self.table.sessions
+        ended = [sid for sid in self.table.timed_pins if sid not in sessions or sessions[sid].pin_expires is None
+                 or sessions[sid].pin_expires <= now]
+        for session_id in ended:
+            self.table.timed_pins.discard(session_id)
+            if session_id in sessions and sessions[session_id].pinned is not None:
+                self.unpin(session_id)
+                self.telemetry.count("pins_expired")
+        return ended
+
+    def retain(self, session_id: str, seconds: float, priority: int) -> None:
+        """A request's retention hint (``kvtier.plan.retention``): the session's blocks leave their tier
+        last for ``seconds`` from now (0: no longer), after those of lower ``priority``."""
+        session = self.table.session(session_id)
+        self.table.retain(session, self.table.wall_clock() + seconds if seconds > 0 else None, priority)
         self.catalog_log.mark_changed(session_id)
 
     def _recompute_pins(self, rows: list[int]) -> None:
@@ -177,6 +210,7 @@ class SessionPlanner:
             if flags[row] & IN_NVME:
                 drops.append(self.table.release_nvme(row, evicted=False))
             self.table.forget_if_homeless(row, "operator")
+        self.table.retain(session, None)
         del self.table.sessions[session_id]
         self.catalog_log.mark_gone(session_id)
         return self.jobs.new_job(JobKind.DROP, drops=drops, session_id=session_id) if drops else None

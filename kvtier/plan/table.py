@@ -3,12 +3,16 @@
 ``BlockTable`` owns the sessions (id -> ``Session``), the block index, one eviction policy per
 tier, the DRAM slot allocator, the NVMe byte budget (``NvmeBudget``: the one count of NVMe bytes,
 written only through it), the tiers' codecs, the per-session rows cache and the log of recently
-dropped blocks (forgetting a block notes its drop). It plans nothing by itself: the other parts
-ask it for slots, room and rows, and tell it when a block arrives in or leaves a tier.
+dropped blocks (forgetting a block notes its drop), and what time limits its sessions carry: the
+timed pins and the live retention hints (``kvtier.plan.retention``), which order victims. It plans
+nothing by itself: the other parts ask it for slots, room, rows and victims, and tell it when a block
+arrives in or leaves a tier.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
+import time
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -19,6 +23,7 @@ from kvtier.layout import KVGeometry
 from kvtier.plan.index import IN_DRAM, IN_NVME, PENDING, BlockIndex, Session, Tier, validate_session_id
 from kvtier.plan.policy import make_policy
 from kvtier.plan.reasons import DropLog
+from kvtier.plan.retention import DEFAULT_PRIORITY
 from kvtier.plan.telemetry import Telemetry
 from kvtier.tiers.dram import SlotAllocator
 from kvtier.tiers.nvme.store import file_bytes_for
@@ -60,9 +65,9 @@ class BlockTable:
     """The index of blocks and the room of each tier (see the module docstring)."""
 
     def __init__(self, geometry: KVGeometry, dram_bytes: int, nvme_bytes: int, policy: str,
-                 warm_codec: str, cold_codec: str, telemetry: Telemetry):
+                 warm_codec: str, cold_codec: str, telemetry: Telemetry, wall_clock: Callable[[], float] = time.time):
         """``warm_codec`` and ``cold_codec``: resolved codec names of DRAM and NVMe (a DRAM slot fits the warm one's
-        largest block)."""
+        largest block); ``wall_clock``: the time pins and retention hints expire by (a test moves it)."""
         self.geometry = geometry
         self.warm_codec, self.cold_codec = warm_codec, cold_codec
         self.slots = SlotAllocator(dram_bytes, get_codec(warm_codec).max_bytes(geometry))
@@ -78,6 +83,10 @@ class BlockTable:
         self._telemetry = telemetry
         # session id -> (its keys list, index.added or -1 if every key was found, index.removed, rows)
         self._rows_cache: dict[str, tuple[list[bytes], int, int, np.ndarray]] = {}
+        self.wall_clock = wall_clock
+        self.timed_pins: set[str] = set()  # sessions whose pin ends at their pin_expires
+        self.retained: dict[str, Session] = {}  # sessions under a live retention hint
+        self._retain_due = math.inf  # no retention ends before this (wall clock)
 
     # ---- blocks arriving and leaving ----------------------------------------------------------
     def move(self, row: int, **fields) -> BlockMove:
@@ -133,7 +142,7 @@ class BlockTable:
         return slot
 
     def free_one_dram_slot(self) -> bool:
-        victims = self.policies[Tier.DRAM].order(self.index, self.index.candidates(Tier.DRAM))
+        victims = self.victims(Tier.DRAM)
         if not len(victims):
             return False
         flags = self.index.col["flags"]
@@ -199,3 +208,65 @@ class BlockTable:
             self._rows_cache = {k: v for k, v in self._rows_cache.items() if k in self.sessions}
         self._rows_cache[session.session_id] = (session.keys, added, index.removed, rows)
         return rows
+
+    # ---- victims and retention hints -----------------------------------------------------------
+    def victims(self, tier: Tier) -> np.ndarray:
+        """The blocks that may leave ``tier``, in the order they should: the tier policy's order, with
+        the blocks of sessions under a live retention hint moved last, lowest priority first (a stable
+        re-ordering: the policy's order holds within each group)."""
+        order = self.policies[tier].order(self.index, self.index.candidates(tier))
+        if not self.retained or not len(order):
+            return order
+        self.expire_retention()
+        value = self.index.col["retain"][order]
+        return order[np.argsort(value, kind="stable")] if value.any() else order
+
+    def retain(self, session: Session, until: float | None, priority: int = DEFAULT_PRIORITY) -> None:
+        """Keep ``session``'s blocks last among victims until ``until`` (wall clock) at ``priority``;
+        ``until`` None or past ends its retention. A block shared by several sessions takes the
+        strongest live retention among them."""
+        old = session.retain_priority + 1 if session.session_id in self.retained else 0
+        live = until is not None and until > self.wall_clock()
+        session.retain_until, session.retain_priority = (until, priority) if live else (None, 0)
+        if live:
+            self.retained[session.session_id] = session
+            self._retain_due = min(self._retain_due, until)
+        elif not old:
+            return  # it had none: no block counts it
+        else:
+            del self.retained[session.session_id]
+        rows = self.session_row_array(session)
+        if live and priority + 1 >= old:
+            self.index.retain_at_least(rows, priority + 1)
+        else:
+            self._recompute_retain(rows)
+
+    def note_retained(self, session: Session | None) -> None:
+        """Blocks that joined a retained session (stored, or named by a longer prompt) take its retention."""
+        if session is not None and session.session_id in self.retained:
+            self.index.retain_at_least(self.session_row_array(session), session.retain_priority + 1)
+
+    def expire_retention(self) -> None:
+        """Retention hints whose time is up stop counting (their blocks take what is left)."""
+        now = self.wall_clock()
+        if now < self._retain_due:
+            return
+        ended = [session for session in self.retained.values() if session.retain_until <= now]
+        for session in ended:
+            del self.retained[session.session_id]
+            session.retain_until, session.retain_priority = None, 0
+        self._retain_due = min((s.retain_until for s in self.retained.values()), default=math.inf)
+        if ended:
+            self._recompute_retain(np.concatenate([self.session_row_array(s) for s in ended]))
+
+    def _recompute_retain(self, rows: np.ndarray) -> None:
+        """``rows`` take the strongest retention of the live retained sessions holding them (0: none)."""
+        retain = self.index.col["retain"]
+        retain[rows] = 0
+        if not len(rows) or not self.retained:
+            return
+        wanted = np.zeros(len(retain), np.bool_)
+        wanted[rows] = True
+        for other in self.retained.values():
+            theirs = self.session_row_array(other)
+            self.index.retain_at_least(theirs[wanted[theirs]], other.retain_priority + 1)

@@ -54,7 +54,7 @@ class Views:
         ids = list(self.table.sessions) if session_ids is None else session_ids
         sessions = [self.table.sessions[s] for s in ids]
         counts = {name: values.tolist() for name, values in self.session_counts(sessions).items()}
-        now = time.time()
+        now, wall = time.time(), self.table.wall_clock()
         state = self.session_state
         block_tokens = self.geometry.block_tokens
         return [{
@@ -71,11 +71,22 @@ class Views:
             "bytes_dram": b_dram,
             "bytes_nvme": b_nvme,
             "pinned": session.pinned.name.lower() if session.pinned is not None else None,
+            **self._time_limits(session, wall),
             "last_use": session.last_use,
             "idle_seconds": max(0.0, now - session.last_use),
         } for session, dram, nvme, both, b_dram, b_nvme in zip(
             sessions, counts["blocks_dram"], counts["blocks_nvme"], counts["blocks_both"], counts["bytes_dram"],
             counts["bytes_nvme"])]
+
+    @staticmethod
+    def _time_limits(session: Session, now: float) -> dict[str, Any]:
+        """When a timed pin ends and how long a live retention hint has left (None: none)."""
+        pin_ends = session.pin_expires if session.pinned is not None else None
+        retained = session.retain_until is not None and session.retain_until > now
+        return {"pin_expires_at": pin_ends, "pin_left_s": None if pin_ends is None else max(0.0, pin_ends - now),
+                "retain_expires_at": session.retain_until if retained else None,
+                "retain_left_s": session.retain_until - now if retained else None,
+                "retain_priority": session.retain_priority if retained else None}
 
     def session_state_counts(self) -> dict[str, int]:
         """How many sessions are in each state (``session_state``), without building the rows."""

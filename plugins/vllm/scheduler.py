@@ -40,7 +40,7 @@ from kvtier.plan.decide import LoadCandidate, blocks_to_load, worth_keeping
 from kvtier.plan.index import namespace_of, validate_session_id
 from kvtier.plan.manager import TierManager
 from kvtier.plugins.vllm.geometry import VllmBlockKeys
-from kvtier.plugins.vllm.state import RequestState
+from kvtier.plugins.vllm.state import RequestState, retain_hint_of
 from kvtier.plugins.vllm.timing import EngineClock, build_cost_model
 from kvtier.plugins.vllm.turns import TurnRecorder, store_skipped
 from kvtier.plugins.vllm.wake import EngineWaker
@@ -190,6 +190,8 @@ class KVTierScheduler:
         while not self._stopping.wait(every_s):
             if self.catalog_paused.is_set():
                 continue
+            with self.lock:  # timed pins and retention hints end on time on an idle engine too
+                self.manager.expire()
             self.manager.sync_catalog(self.lock)
             with self.lock:  # (a failing disk keeps blocks dirty: nothing to bring back then)
                 dirty_age = self.manager.dirty_stats()["dirty_age_s"] \
@@ -267,7 +269,7 @@ class KVTierScheduler:
         state = self.requests.get(request.request_id)
         if state is None:
             namespace = namespace_of(self.fingerprint.digest, getattr(request, "cache_salt", None))
-            state = RequestState(request, namespace, session_of(request))
+            state = RequestState(request, namespace, session_of(request), retain=retain_hint_of(request))
             self.requests[request.request_id] = state
         return state
 
@@ -382,6 +384,9 @@ class KVTierScheduler:
         session = self.manager.record_session(state.session_id, state.namespace, keys, computed_after_step,
                                               token_ids=request.all_token_ids)
         session.hot = True
+        if state.retain is not None:  # the request's retention hint, from its first scheduled step
+            self.manager.retain(state.session_id, state.retain.seconds, state.retain.priority)
+            state.retain = None
         if session.pinned is None and not worth_keeping(max(request.num_tokens, computed_after_step), self.decide_cost,
                                                          on_nvme=False):
             # shorter than the DRAM break-even: loading it back would be slower than recomputing it.

@@ -5,10 +5,28 @@ without importing the scheduler.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestState"]
+from kvtier.errors import KvtierError
+from kvtier.plan.retention import RetainHint, parse_retain_hint
+
+__all__ = ["RequestState", "retain_hint_of"]
+
+log = logging.getLogger("kvtier.connector")
+
+
+def retain_hint_of(request: Any) -> RetainHint | None:
+    """The retention hint a request carries in ``kv_transfer_params`` (``{"kvtier": {"retain_s": N,
+    "priority": P}}``, see ``kvtier.plan.retention``); a malformed one is ignored with one warning and
+    never fails the request."""
+    try:
+        return parse_retain_hint(getattr(request, "kv_transfer_params", None))
+    except KvtierError as exc:
+        log.warning("kvtier: ignoring the retention hint of request %s: %s (%s)",
+                    getattr(request, "request_id", "?"), exc.message, exc.hint)
+        return None
 
 
 @dataclass
@@ -27,3 +45,4 @@ class RequestState:
     facts: Any = None  # kvtier.plan.reasons.TurnFacts of its turn (from its first admission)
     turn: Any = None  # kvtier.plan.reasons.TurnRecord: its entry in the session's turn log
     shared: Any = None  # its shared-store lookup / fetch (kvtier.plugins.vllm.shared.SharedLookups)
+    retain: RetainHint | None = None  # its retention hint, until applied to its session (first stores)

@@ -408,3 +408,27 @@ def test_cost_model_learns_while_serving_and_stops_storing_what_never_pays(tiny_
     assert scheduler.manager.counters["stored_blocks"] == stored  # not stored
     assert scheduler.manager.counters["store_skipped_blocks"] == (len(fresh) + GREEDY.max_tokens - 1) // BLOCK
     close(llm)
+
+
+def test_a_requests_retention_hint_reaches_its_session(tiny_model, tmp_path):
+    """``kv_transfer_params: {"kvtier": {"retain_s": N, "priority": P}}`` on a real request: its session
+    is retained, its stored blocks carry the hint; a malformed hint is ignored and its request served."""
+    def params(hint):
+        return SamplingParams(temperature=0, max_tokens=2, extra_args={"kv_transfer_params": {"kvtier": hint}})
+
+    llm = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme", extra_config={"always_load": True})
+    try:
+        for seed, hint in ((1, {"retain_s": 600, "priority": 2}), (2, {"retain_s": -1})):
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt_of(seed, 3 * BLOCK + 10))], params(hint),
+                               use_tqdm=False)[0]
+            assert len(out.outputs[0].token_ids) == 2  # served either way
+        manager = scheduler_connector(llm).manager
+        rows = manager.sessions_overview()
+        assert len(rows) == 2
+        retained = [r for r in rows if r["retain_left_s"] is not None]
+        assert len(retained) == 1 and retained[0]["retain_priority"] == 2 and 500 < retained[0]["retain_left_s"] <= 600
+        blocks = manager.session_row_array(manager.session(retained[0]["session_id"]))
+        assert len(blocks) == 3 and manager.stats()["counters"]["stored_blocks"] == 6
+        assert set(manager.index.col["retain"][blocks].tolist()) == {3}  # priority + 1
+    finally:
+        close(llm)
