@@ -272,40 +272,65 @@ def _size(text: str, flag: str) -> int:
         raise UsageError(f"{flag} {text!r} is not a size", hint=f"e.g. {flag} 40MiB") from None
 
 
-@bench_app.command("agents")
+@bench_app.command("agents", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @handle_errors
 def bench_agents(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (the summary keys)."),
-    quick: bool = typer.Option(False, "--quick", help="One seed, arms vllm, floor and kvtier, shorter sessions."),
-    regime: str = typer.Option("all", "--regime", help="1, 2, 3 or all (working set vs engine cache and DRAM)."),
+    ctx: typer.Context,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object: the summary keys at its top level."),
+    quick: bool = typer.Option(False, "--quick", help="One seed; arms vllm, floor and kvtier; all three regimes."),
+    regime: str = typer.Option("all", "--regime", help="1, 2, 3 or all (the working set: 0.5x the engine's KV "
+                                                        "cache, 2x it, 2x the DRAM tier)."),
     arms: str = typer.Option("", "--arms", help="Comma-separated: vllm, floor, kvtier, native, lmcache "
                                                  "(default: all; --quick: vllm,floor,kvtier)."),
-    trace_file: Optional[Path] = typer.Option(None, "--trace", help="Replay this JSONL trace instead of "
-                                                                     "generating one (every regime runs it)."),
-    model: str = typer.Option("tiny", "--model", help="A model directory (default: the tiny demo model)."),
+    trace_file: Optional[Path] = typer.Option(None, "--trace", help="Replay this JSONL trace (one turn a line: "
+                                              "session, turn, arrival_s or think_s, input_tokens, output_tokens)."),
+    model: Optional[str] = typer.Option(None, "--model", help="A model directory (default: the tiny demo model)."),
     engine_kv: str = typer.Option("40MiB", "--engine-kv", help="The engine's KV cache (vLLM's "
-                                                                "--kv-cache-memory-bytes)."),
-    dram: str = typer.Option("160MiB", "--dram", help="kvtier's DRAM tier (the regimes scale with it)."),
+                                                                "--kv-cache-memory-bytes), every arm but floor."),
+    dram: str = typer.Option("160MiB", "--dram", help="kvtier's DRAM tier, and the host bytes of the other "
+                                                       "offloading arms."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", help="Requests in flight at most (C)."),
-    sessions: Optional[int] = typer.Option(None, "--sessions", min=1, max=1000,
-                                           help="Sessions per regime (default 12; --quick 8)."),
-    seeds: int = typer.Option(3, "--seeds", min=1, max=10, help="Seeds (median and range; --quick: 1)."),
+    sessions: Optional[int] = typer.Option(None, "--sessions", min=1, max=10_000,
+                                           help="Sessions per regime, sized to make its working set "
+                                                "(default: as many as the working set takes)."),
+    seeds: int = typer.Option(3, "--seeds", min=1, max=10, help="Seeds: median and range (--quick: 1)."),
+    hints: bool = typer.Option(True, "--hints/--no-hints", help="Also run the retention-hint phase "
+                                                                  "(kvtier on tight tiers)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write the TTFT CDFs here (PNG)."),
-    out_dir: Path = typer.Option(Path("kvtier-bench-agents"), "--out", help="Per-request JSONL and results.json."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="Where the per-request JSONL, results.json and "
+                                                               "the servers' logs go (default: a new temp dir)."),
 ) -> None:
-    """Agent sessions against plain vLLM, a big-cache floor and kvtier serve, in three regimes."""
-    from kvtier.bench.agents.bench import run_agents_bench
-    from kvtier.bench.agents.report import SUMMARY_KEYS
-    from kvtier.bench.agents.run import parse_arms
+    """Agent sessions (many turns, tool-call pauses, subagents) against plain vLLM, a big-cache
+    floor, kvtier, vLLM's native offloading and LMCache, in three regimes sized from the box.
+    vLLM flags after `--` go to every arm, e.g. `-- --kv-cache-dtype fp8`."""
+    from kvtier.bench.agents.arms import parse_arms
+    from kvtier.bench.agents.report import AGENT_KEYS
+    from kvtier.bench.agents.run import AgentRun, finish_agents_bench
     from kvtier.bench.agents.trace import read_trace
 
-    chosen = parse_arms(arms, quick)
-    regimes = _regimes(regime)
-    trace = read_trace(trace_file) if trace_file is not None else None
+    run = AgentRun(model=model, regimes=list(_regimes(regime)), arms=parse_arms(arms, quick),
+                   seeds=list(range(1 if quick else seeds)), engine_kv=_size(engine_kv, "--engine-kv"),
+                   dram=_size(dram, "--dram"), concurrency=concurrency, sessions=sessions, trace=trace_file,
+                   workdir=out_dir, passthrough=tuple(ctx.args), hints=hints)
+    if trace_file is not None:
+        read_trace(trace_file)  # a malformed file is refused before any server starts
     if plot is not None and plot.suffix.lower() != ".png":
         from kvtier.errors import UsageError
 
         raise UsageError(f"--plot {plot} is not a .png file", hint="e.g. --plot agents.png")
-    sizes = _size(engine_kv, "--engine-kv"), _size(dram, "--dram")
-    run_vllm_bench("kvtier bench agents", SUMMARY_KEYS, lambda progress: run_agents_bench(
-        model, quick, chosen, regimes, *sizes, concurrency, sessions, trace, out_dir, seeds, plot, progress), json_out)
+    if not 1 <= concurrency <= 256:
+        from kvtier.errors import UsageError
+
+        raise UsageError(f"--concurrency {concurrency} is out of range", hint="between 1 and 256")
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout, which is for the results
+        results = finish_agents_bench(run, plot, bench_progress(json_out))
+    if json_out:
+        emit_json({key: results.get(key) for key in AGENT_KEYS} | {"details": results})
+        return
+    from kvtier.bench.agents.report import tables
+
+    for title, columns, rows in tables(results):
+        print_table(title, columns, rows)

@@ -1,0 +1,168 @@
+"""The serving arms: one server each, started once, with equal engine flags.
+
+* ``vllm``: plain vLLM, prefix caching only, the run's engine KV cache;
+* ``floor``: plain vLLM with an engine KV cache that holds the largest working set: the best any
+  tier could do, so kvtier's own overhead shows;
+* ``kvtier``: ``kvtier serve`` with the run's engine KV cache, DRAM tier and NVMe behind it;
+* ``native``: vLLM's own CPU offloading (OffloadingConnector) with the same host bytes;
+* ``lmcache``: LMCache's connector with the same host and disk bytes, when it is installed.
+
+An arm that cannot start is skipped with its reason (the others still run); one that starts but
+loads nothing it should is reported as degraded, never as a result.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.bench.agents.regimes import Sizes
+from kvtier.errors import UsageError
+
+__all__ = ["ARMS", "QUICK_ARMS", "ArmSkipped", "parse_arms", "start_arm", "empty_caches", "server_counters"]
+
+ARMS = ("vllm", "floor", "kvtier", "native", "lmcache")
+QUICK_ARMS = ("vllm", "floor", "kvtier")
+LOADING_ARMS = ("kvtier", "native", "lmcache")  # arms that should load KV from outside the engine
+
+
+class ArmSkipped(Exception):
+    """The arm could not start here; its message is the reason."""
+
+
+def parse_arms(text: str | None, quick: bool) -> list[str]:
+    if not text:
+        return list(QUICK_ARMS if quick else ARMS)
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise UsageError(f"unknown arm {unknown[0]!r}" if unknown else "no arm given",
+                         hint=f"--arms takes a comma-separated list of: {', '.join(ARMS)}")
+    if "vllm" not in arms:
+        arms.insert(0, "vllm")  # every figure is a ratio against plain vLLM
+    return list(dict.fromkeys(arms))
+
+
+@dataclass
+class Arm:
+    name: str
+    server: object  # a kvtier.bench.vllm.served.Served
+    loads: bool  # should load KV from outside the engine
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+def _last_error(log: Path) -> str:
+    """The most telling line of a server's log that died at start."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    for pattern in (r"(Error|Exception): (.+)$", r"(error|refused|not supported)"):
+        for line in reversed(lines):
+            match = re.search(pattern, line)
+            if match:
+                return (match.group(2) if match.lastindex and match.lastindex >= 2 else line)[:240]
+    return (lines[-1] if lines else "no output")[:240]
+
+
+def _engine_args(sizes: Sizes, kv_bytes: int, passthrough: tuple[str, ...]) -> tuple[str, ...]:
+    return ("--kv-cache-memory-bytes", str(kv_bytes), *passthrough)
+
+
+def start_arm(name: str, model: str, base: Path, sizes: Sizes, passthrough: tuple[str, ...],
+              dram: int | None = None, nvme: int | None = None, label: str | None = None) -> Arm:
+    """Start one arm's server (raises ArmSkipped with the reason when it cannot start)."""
+    from kvtier.bench.vllm.served import Served
+    from kvtier.launch.serve import is_cpu_only
+
+    common = dict(max_len=sizes.max_len, max_seqs=sizes.concurrency, served_name="agents")
+    label = label or name
+    try:
+        if name in ("vllm", "floor"):
+            kv = sizes.floor_kv if name == "floor" else sizes.engine_kv
+            return Arm(name, Served(model, base, label, connector=False,
+                                    vllm_args=_engine_args(sizes, kv, passthrough), **common), False)
+        if name == "kvtier":
+            server = Served(model, base, label, nvme_dir=base / f"{label}-nvme",
+                            dram=str(dram if dram is not None else sizes.dram),
+                            nvme=str(nvme if nvme is not None else sizes.nvme),
+                            vllm_args=_engine_args(sizes, sizes.engine_kv, passthrough), **common)
+            return Arm(name, server, True)
+        if name == "native":
+            gib = f"{sizes.dram / (1 << 30):.3f}"
+            args = ("--kv-offloading-size", gib, "--kv-offloading-backend", "native")
+            return Arm(name, Served(model, base, label, connector=False,
+                                    vllm_args=_engine_args(sizes, sizes.engine_kv, (*args, *passthrough)),
+                                    **common), True)
+        if name == "lmcache":
+            if importlib.util.find_spec("lmcache") is None:
+                raise ArmSkipped("LMCache is not installed (`pip install lmcache` on a GPU box)")
+            if is_cpu_only():
+                raise ArmSkipped("LMCache has no CPU connector (its GPU-connector factory: "
+                                 "'No supported cpu connector found'); run this arm on a GPU box")
+            return _start_lmcache(model, base, label, sizes, passthrough, common)
+    except ArmSkipped:
+        raise
+    except RuntimeError as exc:  # the server exited while starting
+        log = base / f"{label}.log"
+        raise ArmSkipped(_last_error(log) if log.exists() else str(exc)[:240]) from None
+    raise UsageError(f"unknown arm {name!r}")
+
+
+def _start_lmcache(model: str, base: Path, label: str, sizes: Sizes, passthrough: tuple[str, ...],
+                   common: dict) -> Arm:  # pragma: no cover - needs a GPU box
+    import os
+
+    from kvtier.bench.vllm.served import Served
+
+    disk = base / f"{label}-disk"
+    disk.mkdir(exist_ok=True)
+    os.environ.update(LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE=f"{sizes.dram / (1 << 30):.3f}",
+                      LMCACHE_LOCAL_DISK=f"file://{disk}/",
+                      LMCACHE_MAX_LOCAL_DISK_SIZE=f"{sizes.nvme / (1 << 30):.3f}", LMCACHE_CHUNK_SIZE="256")
+    config = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+    args = ("--kv-transfer-config", config)
+    return Arm("lmcache", Served(model, base, label, connector=False,
+                                 vllm_args=_engine_args(sizes, sizes.engine_kv, (*args, *passthrough)), **common), True)
+
+
+def _post(url: str, body: dict | None = None, timeout: float = 120) -> None:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(request, timeout=timeout):
+        pass
+
+
+def empty_caches(arm: Arm) -> None:
+    """Forget everything between regimes: kvtier's tiers (every session dropped) and the engine's
+    prefix cache."""
+    if arm.name == "kvtier":
+        admin = arm.server.admin()
+        for session in admin.request("GET", "/v1/sessions?limit=100000")["sessions"]:
+            try:
+                admin.request("POST", f"/v1/sessions/{session['session_id']}/evict", {"to": "drop"})
+            except Exception:  # noqa: BLE001 - a session with nothing stored left to drop
+                pass
+        admin.request("GET", "/v1/status?until=clean&wait_s=120")
+    _post(arm.url + "/reset_prefix_cache")
+
+
+_SOURCES = {"local_compute": "recomputed_tokens", "local_cache_hit": "engine_hit_tokens",
+            "external_kv_transfer": "loaded_tokens"}
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """vLLM's own prompt-token counters (by source) and request errors, from /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out = {name: 0.0 for name in _SOURCES.values()}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = re.search(r'source="([a-z_]+)"', line)
+            if source and source.group(1) in _SOURCES:
+                out[_SOURCES[source.group(1)]] += float(line.rsplit(" ", 1)[1])
+    return out

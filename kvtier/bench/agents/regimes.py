@@ -1,0 +1,113 @@
+"""The run's sizes, from the box and the model: the engine's KV cache and kvtier's DRAM tier are
+fixed for a run, and the three regimes differ only in the working set.
+
+* regime 1: 0.5x the engine's KV cache (everything fits the engine: kvtier must do no harm);
+* regime 2: 2x the engine's KV cache, 0.5x the DRAM tier (DRAM holds what the engine drops);
+* regime 3: 2x the DRAM tier (NVMe serves part of it).
+
+Sizes the box cannot hold are refused here, before any server starts.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import psutil
+
+from kvtier.bench.agents.trace import AgentMix, TurnSpec, generate, unique_tokens
+from kvtier.errors import UsageError
+from kvtier.units import human_bytes
+
+__all__ = ["DEFAULTS", "Sizes", "kv_bytes_per_token", "regime_trace", "check_box"]
+
+MiB = 1 << 20
+# this box's defaults (2 cores, 24 GiB, the tiny demo model at 2 KiB per token)
+DEFAULTS = {"engine_kv": 40 * MiB, "dram": 160 * MiB, "concurrency": 4, "think_median_s": 0.5,
+            "long_pause_frac": 0.25, "long_pause_s": 10.0}
+SERVER_OVERHEAD = 3 << 30  # one vLLM server's own memory beside its KV cache (weights, runtime), generously
+
+
+@dataclass(frozen=True)
+class Sizes:
+    kv_bytes_per_token: int
+    engine_kv: int
+    dram: int
+    nvme: int
+    concurrency: int
+    max_len: int  # the servers' --max-model-len
+
+    def working_set(self, regime: int) -> int:
+        return {1: self.engine_kv // 2, 2: 2 * self.engine_kv, 3: 2 * self.dram}[regime]
+
+    @property
+    def floor_kv(self) -> int:
+        """The floor arm's engine KV cache: the largest working set, and room for the requests in flight."""
+        return self.working_set(3) + self.concurrency * self.max_len * self.kv_bytes_per_token
+
+    def describe(self) -> list[tuple[str, str]]:
+        rows = [("KV per token", human_bytes(self.kv_bytes_per_token)),
+                ("engine KV cache (every arm but floor)", human_bytes(self.engine_kv)),
+                ("floor's engine KV cache", human_bytes(self.floor_kv)),
+                ("kvtier DRAM tier / NVMe tier", f"{human_bytes(self.dram)} / {human_bytes(self.nvme)}"),
+                ("requests in flight (C)", str(self.concurrency)), ("--max-model-len", str(self.max_len))]
+        rows += [(f"regime {r} working set", f"{human_bytes(self.working_set(r))} "
+                  f"({self.working_set(r) // self.kv_bytes_per_token} tokens)") for r in (1, 2, 3)]
+        return rows
+
+
+def kv_bytes_per_token(model_dir: str, cache_dtype: str | None = None) -> int:
+    """K and V bytes one token takes in every layer, from the checkpoint's config.json."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}", hint="pass a model directory with a config.json") from None
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    elem = 1 if cache_dtype and cache_dtype.startswith("fp8") else 2
+    return int(config["num_hidden_layers"] * kv_heads * head_dim * 2 * elem)
+
+
+def regime_trace(mix: AgentMix, sizes: Sizes, regime: int, seed: int, sessions: int | None = None) -> list[TurnSpec]:
+    """The regime's trace: sessions until the working set is reached, or exactly ``sessions``
+    sessions whose sizes are scaled so that together they make it."""
+    target = sizes.working_set(regime) // sizes.kv_bytes_per_token
+    prefix = f"r{regime}s{seed}-"
+    if sessions is None:
+        return generate(mix, seed, target, prefix)
+    trial = generate(mix, seed, 1 << 60, prefix, max_sessions=sessions)
+    scale = max(0.05, (target - mix.shared_tokens) / max(1, unique_tokens(trial) - mix.shared_tokens))
+    scaled = replace(mix, prefix_median=max(16, int(mix.prefix_median * scale)),
+                     tool_median=max(8, int(mix.tool_median * scale)))
+    return generate(scaled, seed, 1 << 60, prefix, max_sessions=sessions)
+
+
+def check_box(sizes: Sizes, nvme_dir: Path, arms: list[str]) -> None:
+    """Refuse sizes this box cannot hold (memory for the largest server, disk for the NVMe tier)."""
+    per_token = sizes.kv_bytes_per_token
+    if sizes.concurrency < 1 or sizes.concurrency > 256:
+        raise UsageError(f"--concurrency {sizes.concurrency} is out of range", hint="between 1 and 256")
+    if sizes.engine_kv < sizes.max_len * per_token:
+        raise UsageError(f"the engine KV cache ({human_bytes(sizes.engine_kv)}) cannot hold one request of "
+                         f"--max-model-len {sizes.max_len} ({human_bytes(sizes.max_len * per_token)})",
+                         hint="raise --engine-kv")
+    if sizes.dram < sizes.working_set(2):
+        raise UsageError(f"regime 2's working set ({human_bytes(sizes.working_set(2))}, 2x the engine KV cache) "
+                         f"does not fit the DRAM tier ({human_bytes(sizes.dram)})",
+                         hint="--dram must be at least 2x --engine-kv (default 4x)")
+    biggest = max([sizes.floor_kv if "floor" in arms else 0, sizes.engine_kv + sizes.dram, sizes.engine_kv])
+    available = psutil.virtual_memory().available
+    if biggest + SERVER_OVERHEAD > available:
+        raise UsageError(f"the largest server needs about {human_bytes(biggest + SERVER_OVERHEAD)} of memory "
+                         f"(KV {human_bytes(biggest)} + runtime); this box has {human_bytes(available)} available",
+                         hint="lower --dram or --engine-kv (the floor arm holds the largest working set in its engine)")
+    if "kvtier" in arms:
+        nvme_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(nvme_dir).free
+        if sizes.nvme > free:
+            raise UsageError(f"the NVMe tier ({human_bytes(sizes.nvme)}) does not fit {nvme_dir} "
+                             f"({human_bytes(free)} free)", hint="lower --dram (the NVMe tier is sized from it)")

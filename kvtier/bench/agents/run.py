@@ -1,0 +1,273 @@
+"""``kvtier bench agents``: every arm, started once, replays every regime's trace (each seed),
+then the determinism pass; kvtier's arm on tight tiers replays a hinted trace. Records go to a
+JSONL file as they come; the figures are returned as one dict."""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from kvtier.bench.agents import arms as armlib
+from kvtier.bench.agents.load import Target, nominal_duration, replay
+from kvtier.bench.agents.regimes import DEFAULTS, Sizes, check_box, kv_bytes_per_token, regime_trace
+from kvtier.bench.agents.report import combine_seeds, hinted_ratio, summarize, summary_keys
+from kvtier.bench.agents.trace import AgentMix, TurnSpec, materialize, read_trace, unique_tokens, with_hints
+
+__all__ = ["AgentRun", "run_agents_bench"]
+
+
+@dataclass
+class AgentRun:
+    """What the command line asked for."""
+
+    model: str | None = None
+    regimes: list[int] = field(default_factory=lambda: [1, 2, 3])
+    arms: list[str] = field(default_factory=lambda: list(armlib.QUICK_ARMS))
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    engine_kv: int = DEFAULTS["engine_kv"]
+    dram: int = DEFAULTS["dram"]
+    concurrency: int = DEFAULTS["concurrency"]
+    sessions: int | None = None
+    trace: Path | None = None
+    records: Path | None = None  # per-request JSONL
+    workdir: Path | None = None
+    passthrough: tuple[str, ...] = ()  # vLLM flags after `--`, given to every arm
+    mix: AgentMix = field(default_factory=AgentMix)
+    hints: bool = True
+
+
+def _cache_dtype(args: tuple[str, ...]) -> str | None:
+    for i, arg in enumerate(args):
+        if arg.startswith("--kv-cache-dtype"):
+            return arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
+def plan_sizes(run: AgentRun, model: str, user_trace: list[TurnSpec] | None) -> Sizes:
+    per_token = kv_bytes_per_token(model, _cache_dtype(run.passthrough))
+    longest = max((t.input_tokens + t.output_tokens for t in user_trace), default=0) if user_trace else \
+        run.mix.max_context + run.mix.output_tokens
+    max_len = -(-(longest + 16) // 256) * 256
+    sizes = Sizes(per_token, run.engine_kv, run.dram, 0, run.concurrency, max_len)
+    return replace(sizes, nvme=max(64 << 20, 2 * sizes.working_set(3)))
+
+
+class _RssSampler:
+    """The peak resident memory of a server's process tree while a regime runs (one sample a second)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> int:
+        try:
+            root = psutil.Process(self.pid)
+            return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+        except psutil.Error:
+            return 0
+
+    def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, self._sample())
+            if self._stop.wait(1.0):
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self._sample())
+
+
+def _disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def _one_regime(arm, specs: list[TurnSpec], seed: int, concurrency: int, label: str, sink) -> tuple[dict, list]:
+    armlib.empty_caches(arm)
+    prompts = materialize(specs, seed)
+    target = Target(arm.url, "agents", hints=arm.name == "kvtier")
+    before = armlib.server_counters(arm.url)
+    sampler = _RssSampler(arm.server.proc.pid)
+    started = time.perf_counter()
+    records = replay(target, specs, prompts, concurrency)
+    wall = time.perf_counter() - started
+    rss = sampler.stop()
+    counters = _delta(armlib.server_counters(arm.url), before)
+    disk = _disk_bytes(arm.server.log_path.parent / f"{arm.server.log_path.stem}-nvme") if arm.loads else None
+    for record in records:
+        sink({"arm": arm.name, "regime": label, "seed": seed, **record})
+    return summarize(records, counters, wall, nominal_duration(specs), rss, disk), records
+
+
+def _determinism(arm, specs: list[TurnSpec], seed: int) -> dict[str, str]:
+    """The same turns one at a time, the engine's prefix cache emptied before each (so kvtier
+    loads what plain vLLM recomputes): greedy outputs by turn."""
+    armlib.empty_caches(arm)
+    prompts = materialize(specs, seed)
+    target = Target(arm.url, "agents")
+    out = {}
+    import http.client
+    from urllib.parse import urlparse
+
+    from kvtier.bench.agents.load import stream_completion
+
+    host = urlparse(arm.url)
+    conn = http.client.HTTPConnection(host.hostname, host.port, timeout=600)
+    for spec in sorted(specs, key=lambda s: (s.session, s.turn)):
+        armlib._post(arm.url + "/reset_prefix_cache")
+        out[f"{spec.session}/{spec.turn}"] = stream_completion(conn, target, spec.session,
+                                                               prompts[(spec.session, spec.turn)],
+                                                               spec.output_tokens)["text"]
+    conn.close()
+    return out
+
+
+def _determinism_trace(mix: AgentMix, sizes: Sizes) -> list[TurnSpec]:
+    specs = regime_trace(replace(mix, subagent_frac=0.0), sizes, 2, seed=77)
+    keep = list(dict.fromkeys(s.session for s in specs))[:3]
+    return [s for s in specs if s.session in keep and s.turn <= 5]
+
+
+def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
+    from kvtier.models.demo import ensure_demo_model
+
+    model = run.model or str(ensure_demo_model("tiny", progress=progress))
+    user_trace = read_trace(run.trace) if run.trace else None
+    sizes = plan_sizes(run, model, user_trace)
+    base = Path(run.workdir or tempfile.mkdtemp(prefix="kvtier-agents-"))
+    base.mkdir(parents=True, exist_ok=True)
+    check_box(sizes, base, run.arms)
+    labels = ["trace"] if user_trace else [str(r) for r in run.regimes]
+    traces = {(label, seed): (user_trace if user_trace else
+                              regime_trace(run.mix, sizes, int(label), seed, run.sessions))
+              for label in labels for seed in (run.seeds if not user_trace else run.seeds[:1])}
+    for (label, seed), specs in sorted(traces.items()):
+        progress(f"regime {label} seed {seed}: {len({s.session for s in specs})} sessions, {len(specs)} turns, "
+                 f"working set {unique_tokens(specs) * sizes.kv_bytes_per_token >> 20} MiB")
+    check = _determinism_trace(run.mix, sizes)
+    results: dict = {"sizes": dict(sizes.describe()), "defaults": DEFAULTS, "arms": {}, "skipped": {},
+                     "determinism": {}, "hints": {}, "model": model, "workdir": str(base)}
+    records_path = run.records or base / "requests.jsonl"
+    outputs: dict[str, dict] = {}
+    with open(records_path, "w") as sink_file:
+        def sink(record: dict) -> None:
+            sink_file.write(json.dumps(record) + "\n")
+            sink_file.flush()  # a record is on disk as soon as its request ends
+
+        for name in run.arms:
+            _run_arm(name, model, base, sizes, run, traces, check, results, outputs, sink, progress)
+        if run.hints and "kvtier" in run.arms and "kvtier" not in results["skipped"] and not user_trace:
+            _run_hints(model, base, sizes, run, sink, results, progress)
+    results["records"] = str(records_path)
+    plain = outputs.get("vllm")
+    if plain:
+        equal = [sum(o.get(k) == v for k, v in plain.items()) / len(plain) for name, o in outputs.items()
+                 if name != "vllm"]
+        results["determinism"] = {"turns": len(plain), "per_arm": {
+            name: sum(o.get(k) == v for k, v in plain.items()) / len(plain) for name, o in outputs.items()},
+            "outputs_equal": min(equal) if equal else None}
+    results["concurrent_outputs_differ"] = _concurrent_differences(records_path)
+    results.update(summary_keys(results, [int(x) for x in labels if x.isdigit()]))
+    return results
+
+
+def _run_arm(name, model, base, sizes, run, traces, check, results, outputs, sink, progress) -> None:
+    progress(f"arm {name}: starting its server")
+    try:
+        arm = armlib.start_arm(name, model, base, sizes, run.passthrough)
+    except armlib.ArmSkipped as exc:
+        results["skipped"][name] = str(exc)
+        progress(f"arm {name}: skipped: {exc}")
+        return
+    try:
+        progress(f"arm {name}: up in {arm.server.start_s:.0f} s; warming up")
+        warm = [TurnSpec(f"warm-{i}", turn, 256 * turn, 8, arrival_s=0.0 if turn == 1 else None,
+                         think_s=None if turn == 1 else 0.0) for i in range(run.concurrency) for turn in (1, 2)]
+        for _ in range(2):  # the second time from kvtier's tiers: its load path is warm too
+            replay(Target(arm.url, "agents"), warm, materialize(warm, 999), run.concurrency)
+            armlib._post(arm.url + "/reset_prefix_cache")
+        regimes: dict[str, dict] = {}
+        for (label, seed), specs in sorted(traces.items()):
+            progress(f"arm {name}: regime {label}, seed {seed}")
+            summary, _ = _one_regime(arm, specs, seed, run.concurrency, label, sink)
+            regimes.setdefault(label, []).append(summary)
+            progress(f"arm {name}: regime {label} seed {seed}: TTFT p50 {summary['ttft_all_p50'] or 0:.3f} s, "
+                     f"turns>=2 p50 {summary['ttft_later_p50'] or 0:.3f} s, errors {summary['errors']}, "
+                     f"recomputed {summary['recomputed_tokens']:.0f} tokens, loaded {summary['loaded_tokens']:.0f}")
+        combined = {label: combine_seeds(runs) for label, runs in regimes.items()}
+        results["arms"][name] = {"regimes": combined, "start_s": arm.server.start_s}
+        if arm.loads:
+            silent = [label for label, figs in combined.items()
+                      if label in ("2", "3", "trace") and not figs.get("loaded_tokens")]
+            if silent:
+                results["arms"][name]["degraded"] = f"loaded nothing in regime {', '.join(silent)}"
+                progress(f"arm {name}: DEGRADED: loaded nothing in regime {', '.join(silent)}")
+        progress(f"arm {name}: determinism pass ({len(check)} turns, one at a time)")
+        outputs[name] = _determinism(arm, check, 77)
+    finally:
+        arm.server.stop()
+
+
+def _run_hints(model, base, sizes, run, sink, results, progress) -> None:
+    """kvtier on tight tiers (DRAM and NVMe a quarter of regime 2's working set each): half the
+    sessions ask to be kept across their long pauses; resumed-turn TTFT, hinted vs not."""
+    tight = sizes.working_set(2) // 4
+    progress(f"hints: kvtier with tight tiers ({tight >> 20} MiB DRAM, {tight >> 20} MiB NVMe)")
+    try:
+        arm = armlib.start_arm("kvtier", model, base, sizes, run.passthrough, dram=tight, nvme=tight,
+                               label="kvtier-tight")
+    except armlib.ArmSkipped as exc:
+        results["hints"] = {"skipped": str(exc)}
+        return
+    try:
+        specs = with_hints(regime_trace(run.mix, sizes, 2, run.seeds[0], run.sessions), 3 * run.mix.long_pause_s)
+        summary, records = _one_regime(arm, specs, run.seeds[0], run.concurrency, "hints", sink)
+        ratio, detail = hinted_ratio(records)
+        results["hints"] = {"ratio": ratio, **detail, "dram": tight, "nvme": tight, "errors": summary["errors"],
+                            "retain_s": 3 * run.mix.long_pause_s}
+        progress(f"hints: resumed-turn TTFT p50 hinted {detail['hinted_resumed_p50_s']} s vs unhinted "
+                 f"{detail['unhinted_resumed_p50_s']} s")
+    finally:
+        arm.server.stop()
+        shutil.rmtree(base / "kvtier-tight-nvme", ignore_errors=True)
+
+
+def _concurrent_differences(path: Path) -> dict[str, float]:
+    """Under C > 1, the fraction of each arm's outputs that differ from plain vLLM's for the same
+    turn (vLLM on CPU is not batch-invariant: reported, not judged)."""
+    texts: dict[str, dict] = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["regime"] != "hints" and not r["error"]:
+                texts.setdefault(r["arm"], {})[(r["regime"], r["seed"], r["session"], r["turn"])] = r["text"]
+    plain = texts.get("vllm", {})
+    return {arm: sum(t.get(k) != v for k, v in plain.items()) / len(plain)
+            for arm, t in texts.items() if arm != "vllm" and plain}
+
+
+def finish_agents_bench(run: AgentRun, plot: Path | None, progress: Callable[[str], None]) -> dict:
+    """Run it, then write results.json (and the picture) beside the per-request records."""
+    from kvtier.bench.agents.report import plot_cdfs, ttft_curves
+
+    results = run_agents_bench(run, progress)
+    base = Path(results["workdir"])
+    if plot is not None:
+        curves = ttft_curves(Path(results["records"]))
+        results["plot"] = str(plot_cdfs(curves, plot, f"TTFT per arm and regime ({Path(results['model']).name}, "
+                                                       f"C={run.concurrency})"))
+    (base / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True, default=str))
+    progress(f"per-request records: {results['records']}; figures: {base / 'results.json'}")
+    return results
