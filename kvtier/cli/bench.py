@@ -294,6 +294,9 @@ def bench_agents(
                                            help="Sessions per regime, sized to make its working set "
                                                 "(default: as many as the working set takes)."),
     seeds: int = typer.Option(3, "--seeds", min=1, max=10, help="Seeds: median and range (--quick: 1)."),
+    max_context: int = typer.Option(6144, "--max-context", min=256, max=1 << 20,
+                                    help="A session's context stops growing here (tokens; the servers' "
+                                         "--max-model-len follows)."),
     hints: bool = typer.Option(True, "--hints/--no-hints", help="Also run the retention-hint phase "
                                                                   "(kvtier on tight tiers)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write the TTFT CDFs here (PNG)."),
@@ -304,14 +307,15 @@ def bench_agents(
     floor, kvtier, vLLM's native offloading and LMCache, in three regimes sized from the box.
     vLLM flags after `--` go to every arm, e.g. `-- --kv-cache-dtype fp8`."""
     from kvtier.bench.agents.arms import parse_arms
-    from kvtier.bench.agents.report import AGENT_KEYS
+    from kvtier.bench.agents.report import AGENT_KEYS, EXTRA_KEYS
     from kvtier.bench.agents.run import AgentRun, finish_agents_bench
-    from kvtier.bench.agents.trace import read_trace
+    from kvtier.bench.agents.trace import AgentMix, read_trace
 
     run = AgentRun(model=model, regimes=list(_regimes(regime)), arms=parse_arms(arms, quick),
                    seeds=list(range(1 if quick else seeds)), engine_kv=_size(engine_kv, "--engine-kv"),
                    dram=_size(dram, "--dram"), concurrency=concurrency, sessions=sessions, trace=trace_file,
-                   workdir=out_dir, passthrough=tuple(ctx.args), hints=hints)
+                   workdir=out_dir, passthrough=tuple(ctx.args), hints=hints,
+                   mix=AgentMix(max_context=max_context))
     if trace_file is not None:
         read_trace(trace_file)  # a malformed file is refused before any server starts
     if plot is not None and plot.suffix.lower() != ".png":
@@ -328,7 +332,7 @@ def bench_agents(
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout, which is for the results
         results = finish_agents_bench(run, plot, bench_progress(json_out))
     if json_out:
-        emit_json({key: results.get(key) for key in AGENT_KEYS} | {"details": results})
+        emit_json({key: results.get(key) for key in AGENT_KEYS + EXTRA_KEYS} | {"details": results})
         return
     from kvtier.bench.agents.report import tables
 

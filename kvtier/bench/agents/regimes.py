@@ -26,6 +26,7 @@ MiB = 1 << 20
 # this box's defaults (2 cores, 24 GiB, the tiny demo model at 2 KiB per token)
 DEFAULTS = {"engine_kv": 40 * MiB, "dram": 160 * MiB, "concurrency": 4, "think_median_s": 0.5,
             "long_pause_frac": 0.25, "long_pause_s": 10.0}
+MIN_SESSIONS = 12
 SERVER_OVERHEAD = 3 << 30  # one vLLM server's own memory beside its KV cache (weights, runtime), generously
 
 
@@ -74,16 +75,26 @@ def kv_bytes_per_token(model_dir: str, cache_dtype: str | None = None) -> int:
 
 def regime_trace(mix: AgentMix, sizes: Sizes, regime: int, seed: int, sessions: int | None = None) -> list[TurnSpec]:
     """The regime's trace: sessions until the working set is reached, or exactly ``sessions``
-    sessions whose sizes are scaled so that together they make it."""
+    sessions whose sizes are scaled so that together they make it. A working set that the mix
+    fills with fewer than ``MIN_SESSIONS`` sessions gets that many smaller ones: percentiles over
+    a handful of sessions say nothing."""
     target = sizes.working_set(regime) // sizes.kv_bytes_per_token
     prefix = f"r{regime}s{seed}-"
     if sessions is None:
-        return generate(mix, seed, target, prefix)
-    trial = generate(mix, seed, 1 << 60, prefix, max_sessions=sessions)
-    scale = max(0.05, (target - mix.shared_tokens) / max(1, unique_tokens(trial) - mix.shared_tokens))
-    scaled = replace(mix, prefix_median=max(16, int(mix.prefix_median * scale)),
-                     tool_median=max(8, int(mix.tool_median * scale)))
-    return generate(scaled, seed, 1 << 60, prefix, max_sessions=sessions)
+        specs = generate(mix, seed, target, prefix)
+        if len({s.session for s in specs if s.turn == 1 and not s.parent}) >= MIN_SESSIONS:
+            return specs
+        sessions = MIN_SESSIONS
+    best, scale = None, 1.0
+    for _ in range(5):  # the sizes are drawn again at each scale: home in on the target
+        scaled = replace(mix, prefix_median=max(16, int(mix.prefix_median * scale)),
+                         tool_median=max(8, int(mix.tool_median * scale)))
+        specs = generate(scaled, seed, 1 << 60, prefix, max_sessions=sessions)
+        got = unique_tokens(specs)
+        if best is None or abs(got - target) < abs(best[0] - target):
+            best = (got, specs)
+        scale = max(0.02, scale * (target - mix.shared_tokens) / max(1, got - mix.shared_tokens))
+    return best[1]
 
 
 def check_box(sizes: Sizes, nvme_dir: Path, arms: list[str]) -> None:

@@ -16,6 +16,8 @@ AGENT_KEYS = ("r1_ttft_p50_vs_vllm", "r1_ttft_p99_vs_vllm", "r2_ttft_p50_vs_vllm
               "r3_ttft_p50_vs_floor", "itl_p50_vs_vllm_max", "itl_p99_vs_vllm_max",
               "first_turn_ttft_p50_vs_vllm_max", "errors", "outputs_equal", "hinted_resumed_p50_vs_unhinted")
 
+EXTRA_KEYS = ("r2_reprefill_vs_vllm", "r3_wait_p50_vs_vllm")  # context beside the targets
+
 GROUPS = {"all": lambda r: True, "later": lambda r: r["turn"] >= 2, "first": lambda r: r["turn"] == 1,
           "resumed": lambda r: r["long_pause"]}
 
@@ -35,6 +37,9 @@ def summarize(records: list[dict], counters: dict[str, float], wall_s: float, no
         out[f"ttft_{group}_n"] = len(ttft)
         for q in (50, 90, 99):
             out[f"ttft_{group}_p{q}"] = _pct(ttft, q)
+    waits = [r["sent_s"] - r["ready_s"] + r["ttft_s"] for r in ok]  # what the agent waits: a slot, then the token
+    for q in (50, 99):
+        out[f"wait_p{q}"] = _pct(waits, q)
     gaps = [g for r in ok for g in r["itl_s"]]
     e2e = [r["e2e_s"] for r in ok]
     for q in (50, 99):
@@ -89,7 +94,7 @@ def summary_keys(results: dict, regimes: list[int]) -> dict:
     def fig(side: dict, regime: int, key: str) -> float | None:
         return (side.get(str(regime)) or {}).get(key)
 
-    out: dict = {k: None for k in AGENT_KEYS}
+    out: dict = {k: None for k in AGENT_KEYS + EXTRA_KEYS}
     if 1 in regimes:
         out["r1_ttft_p50_vs_vllm"] = _ratio(fig(kv, 1, "ttft_all_p50"), fig(vl, 1, "ttft_all_p50"))
         out["r1_ttft_p99_vs_vllm"] = _ratio(fig(kv, 1, "ttft_all_p99"), fig(vl, 1, "ttft_all_p99"))
@@ -111,6 +116,13 @@ def summary_keys(results: dict, regimes: list[int]) -> dict:
     out.update(worst)
     out["errors"] = sum(int((fig(side, r, "errors") or 0)) for side in (kv, vl, fl) for r in regimes)
     out["outputs_equal"] = results.get("determinism", {}).get("outputs_equal")
+    if 2 in regimes:  # what the floor recomputes, every arm must (new tokens): the rest is re-prefill
+        floor = fig(fl, 2, "recomputed_tokens")
+        if floor is not None and fig(vl, 2, "recomputed_tokens") is not None and fig(kv, 2, "recomputed_tokens"):
+            out["r2_reprefill_vs_vllm"] = _ratio(max(0.0, fig(kv, 2, "recomputed_tokens") - floor),
+                                                 fig(vl, 2, "recomputed_tokens") - floor)
+    if 3 in regimes:
+        out["r3_wait_p50_vs_vllm"] = _ratio(fig(kv, 3, "wait_p50"), fig(vl, 3, "wait_p50"))
     out["hinted_resumed_p50_vs_unhinted"] = results.get("hints", {}).get("ratio")
     return out
 
@@ -211,6 +223,7 @@ FIGURES = (  # (row label, figure keys, unit): the per-regime table, a column pe
     ("ITL p50 / p99", ("itl_p50", "itl_p99"), "ms"),
     ("end to end p50 / p99", ("e2e_p50", "e2e_p99"), "ms"),
     ("send lag p50 / p99 (C full)", ("lag_p50", "lag_p99"), "ms"),
+    ("ready to first token p50 / p99", ("wait_p50", "wait_p99"), "ms"),
     ("requests/s (trace asks)", ("requests_per_s", "target_requests_per_s"), "rate"),
     ("output tokens/s", ("output_tokens_per_s",), "rate"),
     ("prompt tokens: engine hit / loaded", ("engine_hit_rate", "loaded_hit_rate"), "rate"),
@@ -256,5 +269,5 @@ def tables(results: dict) -> list[tuple[str, list[str], list[tuple]]]:
     if results["skipped"]:
         out.append(("arms skipped", ["arm", "reason"], list(results["skipped"].items())))
     out.append(("summary: kvtier over plain vLLM (or the floor)", ["key", "value", "target"],
-                [(k, _num(results.get(k)), verdict(k, results.get(k))) for k in AGENT_KEYS]))
+                [(k, _num(results.get(k)), verdict(k, results.get(k))) for k in AGENT_KEYS + EXTRA_KEYS]))
     return out

@@ -94,7 +94,8 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
 
-def _one_regime(arm, specs: list[TurnSpec], seed: int, concurrency: int, label: str, sink) -> tuple[dict, list]:
+def _one_regime(arm, specs: list[TurnSpec], seed: int, concurrency: int, label: str, sink,
+                server: str | None = None) -> tuple[dict, list]:
     armlib.empty_caches(arm)
     prompts = materialize(specs, seed)
     target = Target(arm.url, "agents", hints=arm.name == "kvtier")
@@ -105,9 +106,10 @@ def _one_regime(arm, specs: list[TurnSpec], seed: int, concurrency: int, label: 
     wall = time.perf_counter() - started
     rss = sampler.stop()
     counters = _delta(armlib.server_counters(arm.url), before)
-    disk = _disk_bytes(arm.server.log_path.parent / f"{arm.server.log_path.stem}-nvme") if arm.loads else None
+    disk = _disk_bytes(arm.server.log_path.parent / f"{arm.server.log_path.stem}-nvme") if arm.name == "kvtier" \
+        else None
     for record in records:
-        sink({"arm": arm.name, "regime": label, "seed": seed, **record})
+        sink({"arm": arm.name, "server": server or arm.name, "regime": label, "seed": seed, **record})
     return summarize(records, counters, wall, nominal_duration(specs), rss, disk), records
 
 
@@ -166,8 +168,15 @@ def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
             sink_file.write(json.dumps(record) + "\n")
             sink_file.flush()  # a record is on disk as soon as its request ends
 
-        for name in run.arms:
-            _run_arm(name, model, base, sizes, run, traces, check, results, outputs, sink, progress)
+        passes = list(run.arms)
+        if len(passes) > 1 and "vllm" in passes:
+            passes.append("vllm")  # plain vLLM again at the end: the reference on both sides of the others
+        raw: dict[str, dict[str, list]] = {}
+        for n, name in enumerate(passes):
+            got = _run_arm(name, model, base, sizes, run, traces, check, results, outputs, sink, progress,
+                           label=name if n < len(run.arms) else f"{name}-again")
+            if got is not None:
+                _merge_arm(results, raw, name, got, second=n >= len(run.arms))
         if run.hints and "kvtier" in run.arms and "kvtier" not in results["skipped"] and not user_trace:
             _run_hints(model, base, sizes, run, sink, results, progress)
     results["records"] = str(records_path)
@@ -183,47 +192,70 @@ def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
     return results
 
 
-def _run_arm(name, model, base, sizes, run, traces, check, results, outputs, sink, progress) -> None:
-    progress(f"arm {name}: starting its server")
+def _run_arm(name, model, base, sizes, run, traces, check, results, outputs, sink, progress,
+             label: str) -> dict | None:
+    """One arm's server through every regime and seed, then the determinism pass: the per-seed
+    figures by regime (None: the arm could not start, and results say why)."""
+    progress(f"arm {label}: starting its server")
     try:
-        arm = armlib.start_arm(name, model, base, sizes, run.passthrough)
+        arm = armlib.start_arm(name, model, base, sizes, run.passthrough, label=label)
     except armlib.ArmSkipped as exc:
         results["skipped"][name] = str(exc)
         progress(f"arm {name}: skipped: {exc}")
-        return
+        return None
     try:
-        progress(f"arm {name}: up in {arm.server.start_s:.0f} s; warming up")
+        progress(f"arm {label}: up in {arm.server.start_s:.0f} s; warming up")
         warm = [TurnSpec(f"warm-{i}", turn, 256 * turn, 8, arrival_s=0.0 if turn == 1 else None,
                          think_s=None if turn == 1 else 0.0) for i in range(run.concurrency) for turn in (1, 2)]
         for _ in range(2):  # the second time from kvtier's tiers: its load path is warm too
             replay(Target(arm.url, "agents"), warm, materialize(warm, 999), run.concurrency)
             armlib._post(arm.url + "/reset_prefix_cache")
-        regimes: dict[str, dict] = {}
-        for (label, seed), specs in sorted(traces.items()):
-            progress(f"arm {name}: regime {label}, seed {seed}")
-            summary, _ = _one_regime(arm, specs, seed, run.concurrency, label, sink)
-            regimes.setdefault(label, []).append(summary)
-            progress(f"arm {name}: regime {label} seed {seed}: TTFT p50 {summary['ttft_all_p50'] or 0:.3f} s, "
+        regimes: dict[str, list] = {}
+        for (regime, seed), specs in sorted(traces.items()):
+            progress(f"arm {label}: regime {regime}, seed {seed}")
+            summary, _ = _one_regime(arm, specs, seed, run.concurrency, regime, sink, label)
+            regimes.setdefault(regime, []).append(summary)
+            progress(f"arm {label}: regime {regime} seed {seed}: TTFT p50 {summary['ttft_all_p50'] or 0:.3f} s, "
                      f"turns>=2 p50 {summary['ttft_later_p50'] or 0:.3f} s, errors {summary['errors']}, "
                      f"recomputed {summary['recomputed_tokens']:.0f} tokens, loaded {summary['loaded_tokens']:.0f}")
-        combined = {label: combine_seeds(runs) for label, runs in regimes.items()}
-        results["arms"][name] = {"regimes": combined, "start_s": arm.server.start_s}
-        if arm.loads:
-            silent = [label for label, figs in combined.items()
-                      if label in ("2", "3", "trace") and not figs.get("loaded_tokens")]
-            if silent:
-                results["arms"][name]["degraded"] = f"loaded nothing in regime {', '.join(silent)}"
-                progress(f"arm {name}: DEGRADED: loaded nothing in regime {', '.join(silent)}")
-        progress(f"arm {name}: determinism pass ({len(check)} turns, one at a time)")
-        outputs[name] = _determinism(arm, check, 77)
+        if label == name:
+            progress(f"arm {name}: determinism pass ({len(check)} turns, one at a time)")
+            outputs[name] = _determinism(arm, check, 77)
+        return {"regimes": regimes, "start_s": arm.server.start_s, "loads": arm.loads}
     finally:
         arm.server.stop()
 
 
+def _merge_arm(results: dict, raw: dict, name: str, got: dict, second: bool) -> None:
+    """An arm's figures: medians over seeds (and over both passes of plain vLLM, whose drift
+    between its two passes is the run's noise band)."""
+    if second:
+        first = raw[name]
+        results["arms"][name]["drift"] = {
+            regime: _ratio_or_none(combine_seeds(got["regimes"][regime]).get("ttft_all_p50"),
+                                   combine_seeds(first[regime]).get("ttft_all_p50")) for regime in first}
+        merged = {regime: first[regime] + got["regimes"][regime] for regime in first}
+    else:
+        merged = raw[name] = got["regimes"]
+    combined = {regime: combine_seeds(runs) for regime, runs in merged.items()}
+    entry = results["arms"].setdefault(name, {"start_s": got["start_s"]})
+    entry["regimes"] = combined
+    if got["loads"]:
+        silent = [regime for regime, figs in combined.items()
+                  if regime in ("2", "3", "trace") and not figs.get("loaded_tokens")]
+        if silent:
+            entry["degraded"] = f"loaded nothing in regime {', '.join(silent)}"
+
+
+def _ratio_or_none(a, b):
+    return a / b if a is not None and b else None
+
+
 def _run_hints(model, base, sizes, run, sink, results, progress) -> None:
-    """kvtier on tight tiers (DRAM and NVMe a quarter of regime 2's working set each): half the
-    sessions ask to be kept across their long pauses; resumed-turn TTFT, hinted vs not."""
-    tight = sizes.working_set(2) // 4
+    """kvtier on tight tiers (DRAM and NVMe each a quarter of regime 3's working set, so together
+    they hold half of it) replays regime 3's trace; every other session asks, on each turn before
+    a long pause, to be kept for three pauses' time. Resumed-turn TTFT, hinted sessions vs the rest."""
+    tight = sizes.working_set(3) // 4
     progress(f"hints: kvtier with tight tiers ({tight >> 20} MiB DRAM, {tight >> 20} MiB NVMe)")
     try:
         arm = armlib.start_arm("kvtier", model, base, sizes, run.passthrough, dram=tight, nvme=tight,
@@ -232,13 +264,14 @@ def _run_hints(model, base, sizes, run, sink, results, progress) -> None:
         results["hints"] = {"skipped": str(exc)}
         return
     try:
-        specs = with_hints(regime_trace(run.mix, sizes, 2, run.seeds[0], run.sessions), 3 * run.mix.long_pause_s)
-        summary, records = _one_regime(arm, specs, run.seeds[0], run.concurrency, "hints", sink)
+        retain_s = 3 * run.mix.long_pause_s
+        specs = with_hints(regime_trace(run.mix, sizes, 3, run.seeds[0], run.sessions), retain_s)
+        summary, records = _one_regime(arm, specs, run.seeds[0], run.concurrency, "hints", sink, "kvtier-tight")
         ratio, detail = hinted_ratio(records)
-        results["hints"] = {"ratio": ratio, **detail, "dram": tight, "nvme": tight, "errors": summary["errors"],
-                            "retain_s": 3 * run.mix.long_pause_s}
-        progress(f"hints: resumed-turn TTFT p50 hinted {detail['hinted_resumed_p50_s']} s vs unhinted "
-                 f"{detail['unhinted_resumed_p50_s']} s")
+        results["hints"] = {"ratio": ratio, **detail, "dram_bytes": tight, "nvme_bytes": tight,
+                            "errors": summary["errors"], "retain_s": retain_s}
+        progress(f"hints: resumed-turn TTFT p50 hinted {detail['hinted_resumed_p50_s'] or 0:.3f} s vs unhinted "
+                 f"{detail['unhinted_resumed_p50_s'] or 0:.3f} s")
     finally:
         arm.server.stop()
         shutil.rmtree(base / "kvtier-tight-nvme", ignore_errors=True)
@@ -251,7 +284,7 @@ def _concurrent_differences(path: Path) -> dict[str, float]:
     with open(path) as f:
         for line in f:
             r = json.loads(line)
-            if r["regime"] != "hints" and not r["error"]:
+            if r["regime"] != "hints" and not r["error"] and not r.get("server", "").endswith("-again"):
                 texts.setdefault(r["arm"], {})[(r["regime"], r["seed"], r["session"], r["turn"])] = r["text"]
     plain = texts.get("vllm", {})
     return {arm: sum(t.get(k) != v for k, v in plain.items()) / len(plain)
