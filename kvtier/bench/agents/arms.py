@@ -57,14 +57,14 @@ class Arm:
         return self.server.url
 
 
-def _last_error(log: Path) -> str:
-    """The most telling line of a server's log that died at start."""
+def _root_cause(log: Path) -> str:
+    """What a server that died at start said first (its root cause; vLLM's later lines only point
+    back at it)."""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    for pattern in (r"(Error|Exception): (.+)$", r"(error|refused|not supported)"):
-        for line in reversed(lines):
-            match = re.search(pattern, line)
-            if match:
-                return (match.group(2) if match.lastindex and match.lastindex >= 2 else line)[:240]
+    for line in lines:
+        match = re.search(r"\b\w*(?:Error|Exception): (.+)$", line)
+        if match and " WARNING " not in line:
+            return match.group(1)[:240]
     return (lines[-1] if lines else "no output")[:240]
 
 
@@ -108,7 +108,7 @@ def start_arm(name: str, model: str, base: Path, sizes: Sizes, passthrough: tupl
         raise
     except RuntimeError as exc:  # the server exited while starting
         log = base / f"{label}.log"
-        raise ArmSkipped(_last_error(log) if log.exists() else str(exc)[:240]) from None
+        raise ArmSkipped(_root_cause(log) if log.exists() else str(exc)[:240]) from None
     raise UsageError(f"unknown arm {name!r}")
 
 

@@ -110,12 +110,20 @@ def check_box(sizes: Sizes, nvme_dir: Path, arms: list[str]) -> None:
         raise UsageError(f"regime 2's working set ({human_bytes(sizes.working_set(2))}, 2x the engine KV cache) "
                          f"does not fit the DRAM tier ({human_bytes(sizes.dram)})",
                          hint="--dram must be at least 2x --engine-kv (default 4x)")
-    biggest = max([sizes.floor_kv if "floor" in arms else 0, sizes.engine_kv + sizes.dram, sizes.engine_kv])
+    # every arm's server is up at once (they take turns): their host memory adds up, the KV caches
+    # too on a CPU box (on a GPU box they are in HBM)
+    from kvtier.launch.serve import is_cpu_only
+
+    engine = (lambda kv: kv) if is_cpu_only() else (lambda kv: 0)
+    host = {"floor": engine(sizes.floor_kv), "vllm": engine(sizes.engine_kv)}
+    need = sum(host.get(arm, engine(sizes.engine_kv) + sizes.dram) + SERVER_OVERHEAD for arm in arms)
     available = psutil.virtual_memory().available
-    if biggest + SERVER_OVERHEAD > available:
-        raise UsageError(f"the largest server needs about {human_bytes(biggest + SERVER_OVERHEAD)} of memory "
-                         f"(KV {human_bytes(biggest)} + runtime); this box has {human_bytes(available)} available",
-                         hint="lower --dram or --engine-kv (the floor arm holds the largest working set in its engine)")
+    if need > available:
+        raise UsageError(f"the arms' servers need about {human_bytes(need)} of memory together (their KV caches, "
+                         f"the DRAM tier and {human_bytes(SERVER_OVERHEAD)} of runtime each); this box has "
+                         f"{human_bytes(available)} available",
+                         hint="lower --dram or --engine-kv (the floor arm holds the largest working set in its "
+                              "engine), or run fewer --arms")
     if "kvtier" in arms:
         nvme_dir.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(nvme_dir).free

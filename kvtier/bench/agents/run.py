@@ -168,15 +168,7 @@ def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
             sink_file.write(json.dumps(record) + "\n")
             sink_file.flush()  # a record is on disk as soon as its request ends
 
-        passes = list(run.arms)
-        if len(passes) > 1 and "vllm" in passes:
-            passes.append("vllm")  # plain vLLM again at the end: the reference on both sides of the others
-        raw: dict[str, dict[str, list]] = {}
-        for n, name in enumerate(passes):
-            got = _run_arm(name, model, base, sizes, run, traces, check, results, outputs, sink, progress,
-                           label=name if n < len(run.arms) else f"{name}-again")
-            if got is not None:
-                _merge_arm(results, raw, name, got, second=n >= len(run.arms))
+        _run_arms(model, base, sizes, run, traces, check, results, outputs, sink, progress)
         if run.hints and "kvtier" in run.arms and "kvtier" not in results["skipped"] and not user_trace:
             _run_hints(model, base, sizes, run, sink, results, progress)
     results["records"] = str(records_path)
@@ -192,55 +184,77 @@ def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
     return results
 
 
-def _run_arm(name, model, base, sizes, run, traces, check, results, outputs, sink, progress,
-             label: str) -> dict | None:
-    """One arm's server through every regime and seed, then the determinism pass: the per-seed
-    figures by regime (None: the arm could not start, and results say why)."""
-    progress(f"arm {label}: starting its server")
-    try:
-        arm = armlib.start_arm(name, model, base, sizes, run.passthrough, label=label)
-    except armlib.ArmSkipped as exc:
-        results["skipped"][name] = str(exc)
-        progress(f"arm {name}: skipped: {exc}")
-        return None
-    try:
-        progress(f"arm {label}: up in {arm.server.start_s:.0f} s; warming up")
-        warm = [TurnSpec(f"warm-{i}", turn, 256 * turn, 8, arrival_s=0.0 if turn == 1 else None,
-                         think_s=None if turn == 1 else 0.0) for i in range(run.concurrency) for turn in (1, 2)]
-        for _ in range(2):  # the second time from kvtier's tiers: its load path is warm too
+def _start_arms(model, base, sizes, run, results, progress) -> dict:
+    """Every arm's server, each started once and warmed up (the store and load paths both: the
+    second round comes from kvtier's tiers). An arm that cannot start is skipped with its reason."""
+    live = {}
+    warm = [TurnSpec(f"warm-{i}", turn, 256 * turn, 8, arrival_s=0.0 if turn == 1 else None,
+                     think_s=None if turn == 1 else 0.0) for i in range(run.concurrency) for turn in (1, 2)]
+    for name in run.arms:
+        progress(f"arm {name}: starting its server")
+        try:
+            arm = armlib.start_arm(name, model, base, sizes, run.passthrough)
+        except armlib.ArmSkipped as exc:
+            results["skipped"][name] = str(exc)
+            progress(f"arm {name}: skipped: {exc}")
+            continue
+        live[name] = arm
+        progress(f"arm {name}: up in {arm.server.start_s:.0f} s; warming up")
+        for _ in range(2):
             replay(Target(arm.url, "agents"), warm, materialize(warm, 999), run.concurrency)
             armlib._post(arm.url + "/reset_prefix_cache")
-        regimes: dict[str, list] = {}
-        for (regime, seed), specs in sorted(traces.items()):
-            progress(f"arm {label}: regime {regime}, seed {seed}")
-            summary, _ = _one_regime(arm, specs, seed, run.concurrency, regime, sink, label)
-            regimes.setdefault(regime, []).append(summary)
-            progress(f"arm {label}: regime {regime} seed {seed}: TTFT p50 {summary['ttft_all_p50'] or 0:.3f} s, "
-                     f"turns>=2 p50 {summary['ttft_later_p50'] or 0:.3f} s, errors {summary['errors']}, "
-                     f"recomputed {summary['recomputed_tokens']:.0f} tokens, loaded {summary['loaded_tokens']:.0f}")
-        if label == name:
+    return live
+
+
+def _passes(names: list[str], round_: int) -> list[tuple[str, str]]:
+    """One round's order, as (arm, pass label): plain vLLM first and again last (its drift between
+    the two is the round's noise band), the others between, their order turned every round."""
+    middle = [n for n in names if n != "vllm"]
+    middle = middle if round_ % 2 == 0 else middle[::-1]
+    if "vllm" not in names:
+        return [(n, n) for n in middle]
+    return [("vllm", "vllm"), *[(n, n) for n in middle], *([("vllm", "vllm-again")] if middle else [])]
+
+
+def _run_arms(model, base, sizes, run, traces, check, results, outputs, sink, progress) -> None:
+    """All servers up at once (idle ones cost nothing), then every regime and seed on each arm in
+    turn, so that the arms share the box's moments of load instead of each having its own; then
+    the determinism pass on each."""
+    live = _start_arms(model, base, sizes, run, results, progress)
+    raw: dict[str, dict[str, list]] = {}
+    try:
+        for round_, ((regime, seed), specs) in enumerate(sorted(traces.items())):
+            for name, label in _passes(list(live), round_):
+                progress(f"regime {regime} seed {seed}: {label}")
+                summary, _ = _one_regime(live[name], specs, seed, run.concurrency, regime, sink, label)
+                raw.setdefault(label, {}).setdefault(regime, []).append(summary)
+                progress(f"regime {regime} seed {seed}: {label}: TTFT p50 {summary['ttft_all_p50'] or 0:.3f} s, "
+                         f"turns>=2 p50 {summary['ttft_later_p50'] or 0:.3f} s, errors {summary['errors']}, "
+                         f"recomputed {summary['recomputed_tokens']:.0f} tokens, "
+                         f"loaded {summary['loaded_tokens']:.0f}")
+        for name, arm in live.items():
             progress(f"arm {name}: determinism pass ({len(check)} turns, one at a time)")
             outputs[name] = _determinism(arm, check, 77)
-        return {"regimes": regimes, "start_s": arm.server.start_s, "loads": arm.loads}
     finally:
-        arm.server.stop()
+        for arm in live.values():
+            arm.server.stop()
+    for name, arm in live.items():
+        _merge_arm(results, raw, name, arm)
 
 
-def _merge_arm(results: dict, raw: dict, name: str, got: dict, second: bool) -> None:
-    """An arm's figures: medians over seeds (and over both passes of plain vLLM, whose drift
-    between its two passes is the run's noise band)."""
-    if second:
-        first = raw[name]
-        results["arms"][name]["drift"] = {
-            regime: _ratio_or_none(combine_seeds(got["regimes"][regime]).get("ttft_all_p50"),
-                                   combine_seeds(first[regime]).get("ttft_all_p50")) for regime in first}
-        merged = {regime: first[regime] + got["regimes"][regime] for regime in first}
-    else:
-        merged = raw[name] = got["regimes"]
-    combined = {regime: combine_seeds(runs) for regime, runs in merged.items()}
-    entry = results["arms"].setdefault(name, {"start_s": got["start_s"]})
-    entry["regimes"] = combined
-    if got["loads"]:
+def _merge_arm(results: dict, raw: dict, name: str, arm) -> None:
+    """An arm's figures: medians over seeds (plain vLLM's over both its passes; the drift between
+    them, per regime, is the run's noise band)."""
+    regimes = raw.get(name, {})
+    entry = results["arms"].setdefault(name, {"start_s": arm.server.start_s})
+    again = raw.get(f"{name}-again")
+    if again:
+        entry["drift"] = {regime: _ratio_or_none(combine_seeds(again[regime]).get("ttft_all_p50"),
+                                                 combine_seeds(regimes[regime]).get("ttft_all_p50"))
+                          for regime in regimes if regime in again}
+        regimes = {regime: runs + again.get(regime, []) for regime, runs in regimes.items()}
+    entry["regimes"] = combined = {regime: combine_seeds(runs) for regime, runs in regimes.items()}
+    if arm.loads:
         silent = [regime for regime, figs in combined.items()
                   if regime in ("2", "3", "trace") and not figs.get("loaded_tokens")]
         if silent:

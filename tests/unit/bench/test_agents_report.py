@@ -163,3 +163,15 @@ def test_the_command_refuses_a_malformed_trace_before_any_server(tmp_path):
     assert result.exit_code == 2
     assert "line 1: missing input_tokens" in result.stderr
     assert not (tmp_path / "out").exists()  # nothing started, nothing half-written
+
+
+def test_an_arm_that_dies_at_start_is_skipped_with_its_root_cause(tmp_path):
+    from kvtier.bench.agents.arms import _root_cause
+
+    log = tmp_path / "native.log"
+    log.write_text("\n".join([
+        "(APIServer pid=1) WARNING 12-06 [x.py:1] failed with error: ulimit is low",
+        "(Worker pid=2) ERROR 12-06 [m.py:9] Exception: CPU Offloading is currently only supported on CUDA-alike",
+        "(EngineCore pid=3) ERROR 12-06 [c.py:1] RuntimeError: Worker failed with error 'CPU Offloading ...'",
+        "RuntimeError: Engine core initialization failed. See root cause above."]))
+    assert _root_cause(log) == "CPU Offloading is currently only supported on CUDA-alike"
