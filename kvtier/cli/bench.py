@@ -297,6 +297,10 @@ def bench_agents(
     max_context: int = typer.Option(6144, "--max-context", min=256, max=1 << 20,
                                     help="A session's context stops growing here (tokens; the servers' "
                                          "--max-model-len follows)."),
+    together: Optional[bool] = typer.Option(None, "--together/--one-at-a-time",
+                                            help="Every arm's server up at once, taking turns (default on a "
+                                                 "CPU box), or one server at a time (default where each "
+                                                 "holds a GPU's memory)."),
     hints: bool = typer.Option(True, "--hints/--no-hints", help="Also run the retention-hint phase "
                                                                   "(kvtier on tight tiers)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write the TTFT CDFs here (PNG)."),
@@ -315,7 +319,7 @@ def bench_agents(
                    seeds=list(range(1 if quick else seeds)), engine_kv=_size(engine_kv, "--engine-kv"),
                    dram=_size(dram, "--dram"), concurrency=concurrency, sessions=sessions, trace=trace_file,
                    workdir=out_dir, passthrough=tuple(ctx.args), hints=hints,
-                   mix=AgentMix(max_context=max_context))
+                   mix=AgentMix(max_context=max_context), together=together)
     if trace_file is not None:
         read_trace(trace_file)  # a malformed file is refused before any server starts
     if plot is not None and plot.suffix.lower() != ".png":

@@ -17,13 +17,14 @@ pytestmark = pytest.mark.slow
 MiB = 1 << 20
 
 
-def test_agents_bench_small_run(tiny_model, tmp_path):
+@pytest.mark.parametrize("together", [True, False], ids=["servers-together", "one-at-a-time"])
+def test_agents_bench_small_run(tiny_model, tmp_path, together):
     native_skips = __import__("kvtier.launch.serve", fromlist=["is_cpu_only"]).is_cpu_only()
     run = AgentRun(model=str(tiny_model), regimes=[2], arms=["vllm", "kvtier", "native"], seeds=[0],
                    engine_kv=8 * MiB, dram=32 * MiB, concurrency=2, sessions=6, workdir=tmp_path / "out",
                    mix=AgentMix(shared_tokens=256, prefix_median=512, tool_median=96, max_context=2048,
                                 long_pause_s=2.0, think_median_s=0.2),
-                   hints=False)
+                   hints=False, together=together)
     said: list[str] = []
     results = finish_agents_bench(run, tmp_path / "cdf.png", said.append)
 

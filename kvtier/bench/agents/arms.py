@@ -22,7 +22,7 @@ from pathlib import Path
 from kvtier.bench.agents.regimes import Sizes
 from kvtier.errors import UsageError
 
-__all__ = ["ARMS", "QUICK_ARMS", "ArmSkipped", "parse_arms", "start_arm", "empty_caches", "server_counters"]
+__all__ = ["ARMS", "QUICK_ARMS", "ArmSkipped", "empty_caches", "parse_arms", "server_counters", "settle", "start_arm"]
 
 ARMS = ("vllm", "floor", "kvtier", "native", "lmcache")
 QUICK_ARMS = ("vllm", "floor", "kvtier")
@@ -149,6 +149,13 @@ def empty_caches(arm: Arm) -> None:
                 pass
         admin.request("GET", "/v1/status?until=clean&wait_s=120")
     _post(arm.url + "/reset_prefix_cache")
+
+
+def settle(arm: Arm) -> None:
+    """After an arm's pass: let it finish its own background work (kvtier's write-behind of what
+    the pass left in DRAM only) before the next arm takes the box."""
+    if arm.name == "kvtier":
+        arm.server.admin().request("GET", "/v1/status?until=clean&wait_s=120")
 
 
 _SOURCES = {"local_compute": "recomputed_tokens", "local_cache_hit": "engine_hit_tokens",

@@ -97,7 +97,7 @@ def regime_trace(mix: AgentMix, sizes: Sizes, regime: int, seed: int, sessions: 
     return best[1]
 
 
-def check_box(sizes: Sizes, nvme_dir: Path, arms: list[str]) -> None:
+def check_box(sizes: Sizes, nvme_dir: Path, arms: list[str], together: bool = True) -> None:
     """Refuse sizes this box cannot hold (memory for the largest server, disk for the NVMe tier)."""
     per_token = sizes.kv_bytes_per_token
     if sizes.concurrency < 1 or sizes.concurrency > 256:
@@ -110,20 +110,21 @@ def check_box(sizes: Sizes, nvme_dir: Path, arms: list[str]) -> None:
         raise UsageError(f"regime 2's working set ({human_bytes(sizes.working_set(2))}, 2x the engine KV cache) "
                          f"does not fit the DRAM tier ({human_bytes(sizes.dram)})",
                          hint="--dram must be at least 2x --engine-kv (default 4x)")
-    # every arm's server is up at once (they take turns): their host memory adds up, the KV caches
-    # too on a CPU box (on a GPU box they are in HBM)
+    # with every arm's server up at once (they take turns) their host memory adds up, the KV caches
+    # too on a CPU box (on a GPU box they are in HBM); one at a time, the largest counts
     from kvtier.launch.serve import is_cpu_only
 
     engine = (lambda kv: kv) if is_cpu_only() else (lambda kv: 0)
     host = {"floor": engine(sizes.floor_kv), "vllm": engine(sizes.engine_kv)}
-    need = sum(host.get(arm, engine(sizes.engine_kv) + sizes.dram) + SERVER_OVERHEAD for arm in arms)
+    each = [host.get(arm, engine(sizes.engine_kv) + sizes.dram) + SERVER_OVERHEAD for arm in arms]
+    need = sum(each) if together else max(each)
     available = psutil.virtual_memory().available
     if need > available:
-        raise UsageError(f"the arms' servers need about {human_bytes(need)} of memory together (their KV caches, "
+        raise UsageError(f"the arms' servers need about {human_bytes(need)} of memory (their KV caches, "
                          f"the DRAM tier and {human_bytes(SERVER_OVERHEAD)} of runtime each); this box has "
                          f"{human_bytes(available)} available",
                          hint="lower --dram or --engine-kv (the floor arm holds the largest working set in its "
-                              "engine), or run fewer --arms")
+                              "engine), run fewer --arms, or --one-at-a-time")
     if "kvtier" in arms:
         nvme_dir.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(nvme_dir).free

@@ -41,6 +41,7 @@ class AgentRun:
     passthrough: tuple[str, ...] = ()  # vLLM flags after `--`, given to every arm
     mix: AgentMix = field(default_factory=AgentMix)
     hints: bool = True
+    together: bool | None = None  # every server up at once, arms taking turns (None: on a CPU box)
 
 
 def _cache_dtype(args: tuple[str, ...]) -> str | None:
@@ -106,6 +107,7 @@ def _one_regime(arm, specs: list[TurnSpec], seed: int, concurrency: int, label: 
     wall = time.perf_counter() - started
     rss = sampler.stop()
     counters = _delta(armlib.server_counters(arm.url), before)
+    armlib.settle(arm)
     disk = _disk_bytes(arm.server.log_path.parent / f"{arm.server.log_path.stem}-nvme") if arm.name == "kvtier" \
         else None
     for record in records:
@@ -150,7 +152,10 @@ def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
     sizes = plan_sizes(run, model, user_trace)
     base = Path(run.workdir or tempfile.mkdtemp(prefix="kvtier-agents-"))
     base.mkdir(parents=True, exist_ok=True)
-    check_box(sizes, base, run.arms)
+    from kvtier.launch.serve import is_cpu_only
+
+    run = replace(run, together=is_cpu_only() if run.together is None else run.together)
+    check_box(sizes, base, run.arms, run.together)
     labels = ["trace"] if user_trace else [str(r) for r in run.regimes]
     traces = {(label, seed): (user_trace if user_trace else
                               regime_trace(run.mix, sizes, int(label), seed, run.sessions))
@@ -184,22 +189,22 @@ def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
     return results
 
 
-def _start_arms(model, base, sizes, run, results, progress) -> dict:
-    """Every arm's server, each started once and warmed up (the store and load paths both: the
+def _start_arms(names: list[str], model, base, sizes, run, results, progress, label: str = "") -> dict:
+    """The arms' servers, each started once and warmed up (the store and load paths both: the
     second round comes from kvtier's tiers). An arm that cannot start is skipped with its reason."""
     live = {}
     warm = [TurnSpec(f"warm-{i}", turn, 256 * turn, 8, arrival_s=0.0 if turn == 1 else None,
                      think_s=None if turn == 1 else 0.0) for i in range(run.concurrency) for turn in (1, 2)]
-    for name in run.arms:
-        progress(f"arm {name}: starting its server")
+    for name in names:
+        progress(f"arm {label or name}: starting its server")
         try:
-            arm = armlib.start_arm(name, model, base, sizes, run.passthrough)
+            arm = armlib.start_arm(name, model, base, sizes, run.passthrough, label=label or None)
         except armlib.ArmSkipped as exc:
             results["skipped"][name] = str(exc)
             progress(f"arm {name}: skipped: {exc}")
             continue
         live[name] = arm
-        progress(f"arm {name}: up in {arm.server.start_s:.0f} s; warming up")
+        progress(f"arm {label or name}: up in {arm.server.start_s:.0f} s; warming up")
         for _ in range(2):
             replay(Target(arm.url, "agents"), warm, materialize(warm, 999), run.concurrency)
             armlib._post(arm.url + "/reset_prefix_cache")
@@ -217,28 +222,36 @@ def _passes(names: list[str], round_: int) -> list[tuple[str, str]]:
 
 
 def _run_arms(model, base, sizes, run, traces, check, results, outputs, sink, progress) -> None:
-    """All servers up at once (idle ones cost nothing), then every regime and seed on each arm in
-    turn, so that the arms share the box's moments of load instead of each having its own; then
-    the determinism pass on each."""
-    live = _start_arms(model, base, sizes, run, results, progress)
+    """On a CPU box every server is up at once (an idle one costs nothing) and the arms take turns
+    on each regime and seed, so they share the box's moments of load. Where each holds a GPU's
+    memory, one server at a time, in the same order (plain vLLM started again at the end)."""
+    together = bool(run.together)
+    groups = [run.arms] if together else [[name] for name, _ in _passes(run.arms, 0)]
     raw: dict[str, dict[str, list]] = {}
-    try:
-        for round_, ((regime, seed), specs) in enumerate(sorted(traces.items())):
-            for name, label in _passes(list(live), round_):
-                progress(f"regime {regime} seed {seed}: {label}")
-                summary, _ = _one_regime(live[name], specs, seed, run.concurrency, regime, sink, label)
-                raw.setdefault(label, {}).setdefault(regime, []).append(summary)
-                progress(f"regime {regime} seed {seed}: {label}: TTFT p50 {summary['ttft_all_p50'] or 0:.3f} s, "
-                         f"turns>=2 p50 {summary['ttft_later_p50'] or 0:.3f} s, errors {summary['errors']}, "
-                         f"recomputed {summary['recomputed_tokens']:.0f} tokens, "
-                         f"loaded {summary['loaded_tokens']:.0f}")
-        for name, arm in live.items():
-            progress(f"arm {name}: determinism pass ({len(check)} turns, one at a time)")
-            outputs[name] = _determinism(arm, check, 77)
-    finally:
-        for arm in live.values():
-            arm.server.stop()
-    for name, arm in live.items():
+    servers: dict[str, object] = {}
+    for n, group in enumerate(groups):
+        again = not together and n == len(groups) - 1 and len(groups) > 1
+        live = _start_arms(group, model, base, sizes, run, results, progress, "vllm-again" if again else "")
+        try:
+            for round_, ((regime, seed), specs) in enumerate(sorted(traces.items())):
+                for name, label in _passes(list(live), round_) if together else [(g, "vllm-again" if again else g)
+                                                                                  for g in live]:
+                    progress(f"regime {regime} seed {seed}: {label}")
+                    summary, _ = _one_regime(live[name], specs, seed, run.concurrency, regime, sink, label)
+                    raw.setdefault(label, {}).setdefault(regime, []).append(summary)
+                    progress(f"regime {regime} seed {seed}: {label}: TTFT p50 {summary['ttft_all_p50'] or 0:.3f} s, "
+                             f"turns>=2 p50 {summary['ttft_later_p50'] or 0:.3f} s, errors {summary['errors']}, "
+                             f"recomputed {summary['recomputed_tokens']:.0f} tokens, "
+                             f"loaded {summary['loaded_tokens']:.0f}")
+            for name, arm in live.items():
+                if not again:
+                    progress(f"arm {name}: determinism pass ({len(check)} turns, one at a time)")
+                    outputs[name] = _determinism(arm, check, 77)
+                    servers[name] = arm
+        finally:
+            for arm in live.values():
+                arm.server.stop()
+    for name, arm in servers.items():
         _merge_arm(results, raw, name, arm)
 
 

@@ -65,6 +65,7 @@ def test_summary_keys_are_kvtier_over_vllm_and_the_floor():
     keys = summary_keys(results, [1, 2, 3])
     assert set(AGENT_KEYS) <= set(keys)
     assert keys["r2_reprefill_vs_vllm"] == pytest.approx(30 / 950)  # beyond what the floor recomputes
+    assert keys["bounds"]["r2_ttft_p50_vs_vllm"] == pytest.approx(0.05)  # the floor: the best a tier could do
     assert keys["r2_ttft_p50_vs_vllm"] == pytest.approx(0.06)
     assert keys["r2_ttft_p50_vs_floor"] == pytest.approx(1.2)
     assert keys["r2_recomputed_vs_vllm"] == pytest.approx(0.08)
@@ -175,3 +176,12 @@ def test_an_arm_that_dies_at_start_is_skipped_with_its_root_cause(tmp_path):
         "(EngineCore pid=3) ERROR 12-06 [c.py:1] RuntimeError: Worker failed with error 'CPU Offloading ...'",
         "RuntimeError: Engine core initialization failed. See root cause above."]))
     assert _root_cause(log) == "CPU Offloading is currently only supported on CUDA-alike"
+
+
+def test_plain_vllm_brackets_the_other_arms_whose_order_turns_each_round():
+    from kvtier.bench.agents.run import _passes
+
+    assert _passes(["vllm", "floor", "kvtier"], 0) == [("vllm", "vllm"), ("floor", "floor"), ("kvtier", "kvtier"),
+                                                       ("vllm", "vllm-again")]
+    assert [label for _, label in _passes(["vllm", "floor", "kvtier"], 1)] == ["vllm", "kvtier", "floor", "vllm-again"]
+    assert _passes(["vllm"], 0) == [("vllm", "vllm")]
