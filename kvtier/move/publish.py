@@ -22,6 +22,7 @@ from kvtier.codecs import get_codec, transcode
 from kvtier.move.ledger import SlotLedger, SlotOwner
 from kvtier.move.links import LinkBytes
 from kvtier.tiers.base import BlockStore
+from kvtier.tiers.threads import off_forward_cores
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -96,6 +97,7 @@ class Publisher:
 
     # ---- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:
+        off_forward_cores()
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:

@@ -19,6 +19,7 @@ from kvtier.errors import KvtierError
 from kvtier.jobs import BlockMove, Job, JobKind, JobResult
 from kvtier.move.fences import SlotFences
 from kvtier.move.stream import CopyStream
+from kvtier.tiers.threads import off_forward_cores
 
 __all__ = ["JobRunner", "Handler", "OnDone"]
 
@@ -36,8 +37,11 @@ class JobRunner:
         self.handlers, self.stream, self.fences, self.rank = dict(handlers), stream, fences, rank
         self.on_stored = on_stored
         self._results: queue.Queue[JobResult] = queue.Queue()
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-mover")
-        self.copy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-copy")  # stores, in order
+        # off the forward pass's cores where vLLM's CPU backend binds it (kvtier.tiers.threads)
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-mover",
+                                       initializer=off_forward_cores)
+        self.copy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-copy",  # stores, in order
+                                            initializer=off_forward_cores)
         self._inflight: dict[int, Future] = {}  # job id -> its future, until it is done
         self._lock = threading.Lock()
 

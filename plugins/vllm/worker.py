@@ -39,6 +39,7 @@ from kvtier.move.mover import Mover
 from kvtier.plugins.vllm.geometry import layout_name
 from kvtier.tiers.dram import DramArena, SlotAllocator
 from kvtier.tiers.nvme.store import NvmeStore, shard_dir
+from kvtier.tiers.threads import off_forward_cores
 
 __all__ = ["KVTierWorker"]
 
@@ -132,6 +133,7 @@ class KVTierWorker:
         def room(nbytes: int) -> bool:  # stay under the NVMe watermark: demotion owns the rest
             return store.used_bytes + nbytes <= high * store.capacity_bytes
 
+        off_forward_cores()  # where vLLM binds the forward pass to some cores, this thread runs on the others
         try:  # the cores are the forward pass's: this thread runs in what it leaves (Linux: per-thread nice)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):

@@ -21,6 +21,7 @@ from kvtier.errors import CorruptBlockError
 from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.nvme.parts import MAX_RECORDS_PER_IO, _Item
 from kvtier.tiers.records import HEADER_BYTES, checksum, file_bytes_for, pack_header, unpack_header
+from kvtier.tiers.threads import off_forward_cores
 
 __all__ = ["IoEngine", "captured"]
 
@@ -58,7 +59,8 @@ class IoEngine:
         self.io_counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
         self._buffers = _ThreadBuffers()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=THREAD_PREFIX)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=THREAD_PREFIX,
+                                        initializer=off_forward_cores)  # off the forward pass's cores
 
     # ---- threads --------------------------------------------------------------------------
     def run(self, fn: Callable[[Any], Any], ios: list) -> list:
