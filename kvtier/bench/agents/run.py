@@ -164,8 +164,16 @@ def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
         progress(f"regime {label} seed {seed}: {len({s.session for s in specs})} sessions, {len(specs)} turns, "
                  f"working set {unique_tokens(specs) * sizes.kv_bytes_per_token >> 20} MiB")
     check = _determinism_trace(run.mix, sizes)
-    results: dict = {"sizes": dict(sizes.describe()), "defaults": DEFAULTS, "arms": {}, "skipped": {},
-                     "determinism": {}, "hints": {}, "model": model, "workdir": str(base)}
+    mix = run.mix
+    workload = [("think time", f"lognormal, median {mix.think_median_s:g} s; {mix.long_pause_frac:.0%} of turns "
+                                f"after a long pause of {mix.long_pause_s:g} s"),
+                ("sessions", f"Poisson, {mix.arrival_rate:g}/s; shared prefix {mix.shared_tokens}, own context "
+                             f"~{mix.prefix_median}, tool results ~{mix.tool_median}, answers {mix.output_tokens} "
+                             f"tokens; {mix.subagent_frac:.0%} fork a subagent"),
+                ("seeds", ", ".join(map(str, run.seeds)))]
+    results: dict = {"sizes": dict(sizes.describe() + ([] if user_trace else workload)), "defaults": DEFAULTS,
+                     "arms": {}, "skipped": {}, "determinism": {}, "hints": {}, "model": model,
+                     "workdir": str(base)}
     records_path = run.records or base / "requests.jsonl"
     outputs: dict[str, dict] = {}
     with open(records_path, "w") as sink_file:
