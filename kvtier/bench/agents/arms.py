@@ -137,25 +137,44 @@ def _post(url: str, body: dict | None = None, timeout: float = 120) -> None:
         pass
 
 
-def empty_caches(arm: Arm) -> None:
+def _admin(arm: Arm):
+    """kvtier's admin API, with a client timeout past the longest wait asked of it."""
+    from kvtier.control.client import AdminClient
+
+    return AdminClient(arm.server.socket, timeout=WAIT_S + 30)
+
+
+WAIT_S = 60  # the longest wait for kvtier's background work between passes
+
+
+def _wait_clean(admin) -> int:
+    """Wait (on the server's own condition, at most WAIT_S) until no DRAM block lacks its NVMe copy;
+    the DRAM-only blocks left when it answers (0: clean)."""
+    status = admin.request("GET", f"/v1/status?until=clean&wait_s={WAIT_S}")
+    return int((status.get("dirty") or {}).get("dirty_blocks") or 0)
+
+
+def empty_caches(arm: Arm) -> int:
     """Forget everything between regimes: kvtier's tiers (every session dropped) and the engine's
-    prefix cache."""
+    prefix cache. Returns kvtier's DRAM-only blocks still waiting when it went on (0: none)."""
+    left = 0
     if arm.name == "kvtier":
-        admin = arm.server.admin()
+        admin = _admin(arm)
         for session in admin.request("GET", "/v1/sessions?limit=100000")["sessions"]:
             try:
                 admin.request("POST", f"/v1/sessions/{session['session_id']}/evict", {"to": "drop"})
             except Exception:  # noqa: BLE001 - a session with nothing stored left to drop
                 pass
-        admin.request("GET", "/v1/status?until=clean&wait_s=120")
+        left = _wait_clean(admin)
     _post(arm.url + "/reset_prefix_cache")
+    return left
 
 
-def settle(arm: Arm) -> None:
+def settle(arm: Arm) -> int:
     """After an arm's pass: let it finish its own background work (kvtier's write-behind of what
-    the pass left in DRAM only) before the next arm takes the box."""
-    if arm.name == "kvtier":
-        arm.server.admin().request("GET", "/v1/status?until=clean&wait_s=120")
+    the pass left in DRAM only) before the next arm takes the box. Returns the DRAM-only blocks
+    still waiting when it went on (0: all written)."""
+    return _wait_clean(_admin(arm)) if arm.name == "kvtier" else 0
 
 
 _SOURCES = {"local_compute": "recomputed_tokens", "local_cache_hit": "engine_hit_tokens",

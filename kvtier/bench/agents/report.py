@@ -118,7 +118,8 @@ def summary_keys(results: dict, regimes: list[int]) -> dict:
     kv, vl, fl = (arms.get(name, {}).get("regimes", {}) for name in ("kvtier", "vllm", "floor"))
     out: dict = {k: None for k in AGENT_KEYS + EXTRA_KEYS}
     out.update(_ratios(kv, vl, fl, regimes))
-    out["errors"] = sum(int(((side.get(str(r)) or {}).get("errors") or 0)) for side in (kv, vl, fl) for r in regimes)
+    out["errors"] = sum(int(((side.get(str(r)) or {}).get("errors") or 0)) for side in (kv, vl, fl) for r in regimes) \
+        + len(results.get("failed") or {})  # a pass that failed whole counts once
     out["outputs_equal"] = results.get("determinism", {}).get("outputs_equal")
     out["hinted_resumed_p50_vs_unhinted"] = results.get("hints", {}).get("ratio")
     if fl:
@@ -265,6 +266,9 @@ def tables(results: dict) -> list[tuple[str, list[str], list[tuple]]]:
     if results.get("hints"):
         out.append(("retention hints (kvtier on tight tiers)", ["figure", "value"],
                     [(k, _num(v) if isinstance(v, float) else v) for k, v in results["hints"].items()]))
+    if results.get("failed"):
+        out.append(("passes that failed (their figures are missing)", ["pass", "error"],
+                    list(results["failed"].items())))
     if results["skipped"]:
         out.append(("arms skipped", ["arm", "reason"], list(results["skipped"].items())))
     bounds = results.get("bounds") or {}

@@ -96,7 +96,7 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 def _one_regime(arm, specs: list[TurnSpec], seed: int, concurrency: int, label: str, sink,
-                server: str | None = None) -> tuple[dict, list]:
+                server: str | None = None, settle: bool = True) -> tuple[dict, list]:
     armlib.empty_caches(arm)
     prompts = materialize(specs, seed)
     target = Target(arm.url, "agents", hints=arm.name == "kvtier")
@@ -107,12 +107,14 @@ def _one_regime(arm, specs: list[TurnSpec], seed: int, concurrency: int, label: 
     wall = time.perf_counter() - started
     rss = sampler.stop()
     counters = _delta(armlib.server_counters(arm.url), before)
-    armlib.settle(arm)
+    unsettled = armlib.settle(arm) if settle else None
     disk = _disk_bytes(arm.server.log_path.parent / f"{arm.server.log_path.stem}-nvme") if arm.name == "kvtier" \
         else None
     for record in records:
         sink({"arm": arm.name, "server": server or arm.name, "regime": label, "seed": seed, **record})
-    return summarize(records, counters, wall, nominal_duration(specs), rss, disk), records
+    summary = summarize(records, counters, wall, nominal_duration(specs), rss, disk)
+    summary["unsettled_blocks"] = unsettled  # DRAM-only blocks the write-behind had not written a minute after
+    return summary, records
 
 
 def _determinism(arm, specs: list[TurnSpec], seed: int) -> dict[str, str]:
@@ -245,7 +247,12 @@ def _run_arms(model, base, sizes, run, traces, check, results, outputs, sink, pr
                 for name, label in _passes(list(live), round_) if together else [(g, "vllm-again" if again else g)
                                                                                   for g in live]:
                     progress(f"regime {regime} seed {seed}: {label}")
-                    summary, _ = _one_regime(live[name], specs, seed, run.concurrency, regime, sink, label)
+                    try:
+                        summary, _ = _one_regime(live[name], specs, seed, run.concurrency, regime, sink, label)
+                    except Exception as exc:  # noqa: BLE001 - one failed pass must not lose the rest of the run
+                        results.setdefault("failed", {})[f"{label} regime {regime} seed {seed}"] = str(exc)[:300]
+                        progress(f"regime {regime} seed {seed}: {label}: FAILED: {exc}")
+                        continue
                     raw.setdefault(label, {}).setdefault(regime, []).append(summary)
                     progress(f"regime {regime} seed {seed}: {label}: TTFT p50 {summary['ttft_all_p50'] or 0:.3f} s, "
                              f"turns>=2 p50 {summary['ttft_later_p50'] or 0:.3f} s, errors {summary['errors']}, "
@@ -254,8 +261,12 @@ def _run_arms(model, base, sizes, run, traces, check, results, outputs, sink, pr
             for name, arm in live.items():
                 if not again:
                     progress(f"arm {name}: determinism pass ({len(check)} turns, one at a time)")
-                    outputs[name] = _determinism(arm, check, 77)
                     servers[name] = arm
+                    try:
+                        outputs[name] = _determinism(arm, check, 77)
+                    except Exception as exc:  # noqa: BLE001 - reported, and the figures are kept
+                        results.setdefault("failed", {})[f"{name} determinism pass"] = str(exc)[:300]
+                        progress(f"arm {name}: determinism pass FAILED: {exc}")
         finally:
             for arm in live.values():
                 arm.server.stop()
@@ -301,7 +312,15 @@ def _run_hints(model, base, sizes, run, sink, results, progress) -> None:
     try:
         retain_s = 3 * run.mix.long_pause_s
         specs = with_hints(regime_trace(run.mix, sizes, 3, run.seeds[0], run.sessions), retain_s)
-        summary, records = _one_regime(arm, specs, run.seeds[0], run.concurrency, "hints", sink, "kvtier-tight")
+        try:
+            # no next arm to settle for; and on tiers this tight the disk stays full: DRAM never gets clean
+            summary, records = _one_regime(arm, specs, run.seeds[0], run.concurrency, "hints", sink, "kvtier-tight",
+                                           settle=False)
+        except Exception as exc:  # noqa: BLE001 - reported; the arms' figures are kept
+            results["hints"] = {"failed": str(exc)[:300]}
+            results.setdefault("failed", {})["hints"] = str(exc)[:300]
+            progress(f"hints: FAILED: {exc}")
+            return
         ratio, detail = hinted_ratio(records)
         results["hints"] = {"ratio": ratio, **detail, "dram_bytes": tight, "nvme_bytes": tight,
                             "errors": summary["errors"], "retain_s": retain_s}
