@@ -22,7 +22,8 @@ from pathlib import Path
 from kvtier.bench.agents.regimes import Sizes
 from kvtier.errors import UsageError
 
-__all__ = ["ARMS", "QUICK_ARMS", "ArmSkipped", "empty_caches", "parse_arms", "server_counters", "settle", "start_arm"]
+__all__ = ["ARMS", "QUICK_ARMS", "ArmSkipped", "empty_caches", "parse_arms", "post", "server_counters", "settle",
+           "start_arm"]
 
 ARMS = ("vllm", "floor", "kvtier", "native", "lmcache")
 QUICK_ARMS = ("vllm", "floor", "kvtier")
@@ -129,7 +130,7 @@ def _start_lmcache(model: str, base: Path, label: str, sizes: Sizes, passthrough
                                  vllm_args=_engine_args(sizes, sizes.engine_kv, (*args, *passthrough)), **common), True)
 
 
-def _post(url: str, body: dict | None = None, timeout: float = 120) -> None:
+def post(url: str, body: dict | None = None, timeout: float = 120) -> None:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method="POST",
                                      headers={"Content-Type": "application/json"} if data else {})
@@ -166,7 +167,7 @@ def empty_caches(arm: Arm) -> int:
             except Exception:  # noqa: BLE001 - a session with nothing stored left to drop
                 pass
         left = _wait_clean(admin)
-    _post(arm.url + "/reset_prefix_cache")
+    post(arm.url + "/reset_prefix_cache")
     return left
 
 

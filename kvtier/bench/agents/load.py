@@ -91,14 +91,13 @@ def nominal_duration(specs: list[TurnSpec]) -> float:
     """How long the trace lasts if every request took no time: the pace it asks for."""
     after, roots = _followers(specs)
     pending = [(_ready_at(s, None), s.session, s.turn) for s in roots]
-    by_key = {(s.session, s.turn): s for s in specs}
     end = 0.0
     while pending:
         at, session, turn = heapq.heappop(pending)
         end = max(end, at)
         for nxt in after.get((session, turn), ()):
             heapq.heappush(pending, (_ready_at(nxt, at), nxt.session, nxt.turn))
-    return end if by_key else 0.0
+    return end
 
 
 def replay(target: Target, specs: list[TurnSpec], prompts: dict, concurrency: int,

@@ -132,7 +132,7 @@ def _determinism(arm, specs: list[TurnSpec], seed: int) -> dict[str, str]:
     host = urlparse(arm.url)
     conn = http.client.HTTPConnection(host.hostname, host.port, timeout=600)
     for spec in sorted(specs, key=lambda s: (s.session, s.turn)):
-        armlib._post(arm.url + "/reset_prefix_cache")
+        armlib.post(arm.url + "/reset_prefix_cache")
         out[f"{spec.session}/{spec.turn}"] = stream_completion(conn, target, spec.session,
                                                                prompts[(spec.session, spec.turn)],
                                                                spec.output_tokens)["text"]
@@ -217,7 +217,7 @@ def _start_arms(names: list[str], model, base, sizes, run, results, progress, la
         progress(f"arm {label or name}: up in {arm.server.start_s:.0f} s; warming up")
         for _ in range(2):
             replay(Target(arm.url, "agents"), warm, materialize(warm, 999), run.concurrency)
-            armlib._post(arm.url + "/reset_prefix_cache")
+            armlib.post(arm.url + "/reset_prefix_cache")
     return live
 
 
