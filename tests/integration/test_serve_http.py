@@ -92,9 +92,6 @@ def _stop(server: subprocess.Popen) -> int:
             os.killpg(server.pid, signal.SIGKILL)
 
 
-@pytest.mark.xfail(strict=False, reason="the engine core dies at its first request on this session's box "
-                   "(AVX-512 CPU; no traceback in the log), at ca3ff2a too, where CI passed on another box: "
-                   "not from this change, not yet explained")
 def test_snapshot_restart_restore_through_the_cli(tiny_model, tmp_path):
     """Chat in session A, snapshot A with the CLI, restart the server (tiers wiped), restore A,
     and A's next turn loads from kvtier with the same output as before the restart. The second

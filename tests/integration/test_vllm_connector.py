@@ -271,9 +271,6 @@ def test_long_prompt_with_chunked_prefill_stores_and_loads(tiny_model, tmp_path)
     close(llm)
 
 
-@pytest.mark.xfail(strict=False, reason="the engine core dies at its first request on this session's box "
-                   "(AVX-512 CPU; no traceback in the log), at ca3ff2a too, where CI passed on another box: "
-                   "not from this change, not yet explained")
 def test_demo_restarts_the_real_server_and_the_session_comes_back(tiny_model, tmp_path, monkeypatch):
     # the seed's scenario end to end over real processes: kvtier serve, a session, snapshot, Ctrl-C,
     # a new kvtier serve on the same NVMe dir, the session listed at once, its next turn loads
