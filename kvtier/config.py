@@ -139,9 +139,15 @@ def _coerce(name: str, value: object, source: str) -> object:
             return int(value.strip() if isinstance(value, str) else value)  # type: ignore[arg-type]
         if kind == "float":
             return float(value.strip() if isinstance(value, str) else value)  # type: ignore[arg-type]
+        if name == "nvme_dir" and isinstance(value, (list, tuple)):  # one directory per drive
+            if not value or not all(isinstance(v, (str, os.PathLike)) and os.fspath(v).strip() for v in value):
+                raise ValueError("expected a list of directories, one per drive")
+            value = os.pathsep.join(os.fspath(v).strip() for v in value)
         if not isinstance(value, (str, os.PathLike)):
             raise ValueError("expected a string")
         text = os.fspath(value).strip()
+        if name == "nvme_dir":  # "/a:/b": the drives, like PATH
+            return os.pathsep.join(os.path.expanduser(p.strip()) for p in text.split(os.pathsep) if p.strip())
         if name in _PATH_FIELDS:
             return os.path.expanduser(text)
         return text.lower() if name in _ENUMS else text

@@ -18,7 +18,7 @@ from kvtier.move.mover import Mover
 from kvtier.plan.index import Tier
 from kvtier.plan.manager import TierManager
 from kvtier.tiers.dram import DramArena
-from kvtier.tiers.nvme.store import NvmeStore
+from kvtier.tiers.nvme.drives import open_nvme, primary_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -56,14 +56,14 @@ class TierEngine:
         # plans for the whole engine, the mover moves (and its files carry) the rank's own shard
         fingerprint = fingerprint.engine
         self.fingerprint = fingerprint
-        self.nvme = NvmeStore(nvme_dir, nvme_bytes, io_threads, direct_io, rank=rank) \
+        self.nvme = open_nvme(nvme_dir, nvme_bytes, io_threads, direct_io, rank=rank) \
             if nvme_dir and nvme_bytes else None
         records = self.nvme.scan() if self.nvme is not None else []
         self.catalog = None
         if catalog and self.nvme is not None:
             from kvtier.persist.catalog import Catalog
 
-            self.catalog = Catalog(nvme_dir, fingerprint)
+            self.catalog = Catalog(primary_dir(nvme_dir), fingerprint)
         self.manager = TierManager(fingerprint, dram_bytes, nvme_bytes if self.nvme is not None else 0, policy,
                                    high_watermark, low_watermark, records, warm_codec, cold_codec,
                                    nvme_removed_at_start=self.nvme.removed_at_scan if self.nvme is not None else 0,

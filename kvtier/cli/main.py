@@ -85,7 +85,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address the API listens on."),
     port: int = typer.Option(8000, "--port", help="Port the API listens on."),
     dram: Optional[str] = typer.Option(None, "--dram", help="Warm tier (host DRAM) budget, e.g. 8GiB."),
-    nvme_dir: Optional[str] = typer.Option(None, "--nvme-dir", help="Cold tier directory (on an SSD)."),
+    nvme_dir: Optional[list[str]] = typer.Option(
+        None, "--nvme-dir", help="Cold tier directory (on an SSD); once per drive to use several drives."),
     nvme: Optional[str] = typer.Option(None, "--nvme", help="Cold tier (NVMe) budget, e.g. 64GiB."),
     policy: Optional[str] = typer.Option(None, "--policy", help="Eviction policy: lru or arc."),
     kv_cache_dtype: Optional[str] = typer.Option(
@@ -135,6 +136,7 @@ def serve(
     from kvtier.launch import serve as srv
 
     flags = {key: value for key, value in locals().items() if key in _SETTINGS_FLAGS}
+    flags["nvme_dir"] = nvme_dir or None  # given once per drive
     model, extra = _model_and_vllm_args(model, ctx.args, demo_size)
     settings, name = _instance_settings(flags, instance, port)
     sock = os.path.abspath(os.path.expanduser(admin_socket)) if admin_socket else srv.admin_socket_path(instance=name)
@@ -183,7 +185,10 @@ def _instance_settings(flags: dict, instance: Optional[str], port: int):
     settings, _sources = load_settings(flags=flags)
     name = valid_name(instance) if instance is not None else str(port)
     if instance is not None:
-        settings = replace(settings, nvme_dir=instance_store_dir(settings.nvme_dir, name))
+        from kvtier.tiers.nvme.drives import drive_dirs, join_drives
+
+        settings = replace(settings, nvme_dir=join_drives(instance_store_dir(d, name)
+                                                          for d in drive_dirs(settings.nvme_dir)))
     return settings, name
 
 
@@ -408,7 +413,8 @@ def instances(json_out: bool = typer.Option(False, "--json", help="Print JSON.")
 @handle_errors
 def doctor(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    nvme_dir: Optional[str] = typer.Option(None, "--nvme-dir", help="NVMe tier directory (default: from config)."),
+    nvme_dir: Optional[list[str]] = typer.Option(
+        None, "--nvme-dir", help="NVMe tier directory (default: from config); once per drive: each is measured."),
     model: Optional[str] = typer.Option(None, "--model", help="Model directory for KV geometry (default: the demo)."),
     link_gbps: Optional[str] = typer.Option(None, "--link-gbps", help="Cap links, GB/s: pcie=3.9,nvme=1.5."),
     socket: Optional[str] = typer.Option(None, "--socket", help="Admin socket of a running server (optional)."),
@@ -440,7 +446,8 @@ def doctor(
         if chosen is not None and chosen.gpus is not None:
             gpus = chosen.gpus  # that instance's GPUs: its links, and the rate measured on its first
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    report = run_doctor(nvme_dir or settings.nvme_dir, model, caps, server, quick=quick, gpus=gpus,
+    drives = os.pathsep.join(nvme_dir) if nvme_dir else settings.nvme_dir
+    report = run_doctor(drives, model, caps, server, quick=quick, gpus=gpus,
                         shared=shared or settings.shared or None, shared_auth_file=settings.shared_auth_file or None,
                         codecs={"warm": settings.warm_codec, "cold": settings.cold_codec})
     if json_out:
@@ -453,15 +460,17 @@ def _print_doctor(report: dict) -> None:
     rows = [(f"GPU {gpu['index']}" if len(report["gpus"]) > 1 else "GPU",
              f"{gpu['name']} PCIe gen{gpu.get('gen')} x{gpu.get('width')} (max gen{gpu.get('max_gen')} "
              f"x{gpu.get('max_width')})" if gpu.get("present") else f"none: {gpu['why']}") for gpu in report["gpus"]]
-    if "nvme" in report:
-        n = report["nvme"]
-        rows.append(("NVMe dir",
+    drives = report.get("drives") or ([report["nvme"]] if "nvme" in report else [])
+    for i, n in enumerate(drives):
+        rate = f", reads {n['read_gbps']:.2f} GB/s" if "read_gbps" in n else ""
+        rows.append((f"NVMe drive {i}" if len(drives) > 1 else "NVMe dir",
                      f"{n['dir']} on {n['filesystem']} ({n['mount']}), {human_bytes(n['free_bytes'])} free, "
-                                 f"O_DIRECT {'yes' if n['o_direct'] else 'no'}"))
+                     f"O_DIRECT {'yes' if n['o_direct'] else 'no'}{rate}"))
     rows.append(("memlock", "unlimited" if report["memlock_bytes"] is None else human_bytes(report["memlock_bytes"])))
     r = report["rates"]
     rows.append(("host->device", f"{r['host_to_device_gbps']:.2f} GB/s ({r['sources'].get('host_to_device_bps')})"))
-    rows.append(("NVMe reads", f"{r['nvme_read_gbps']:.2f} GB/s ({r['sources'].get('nvme_read_bps')})"))
+    rows.append(("NVMe reads" + (", all drives" if len(drives) > 1 else ""),
+                 f"{r['nvme_read_gbps']:.2f} GB/s ({r['sources'].get('nvme_read_bps')})"))
     kv = report["kv"]
     rows.append(("KV per token", f"{human_bytes(kv['bytes_per_token'])} ({kv['layers']} layers x {kv['kv_heads']} kv "
                                  f"heads x {kv['head_dim']}, {kv['dtype']}; fp8 halves it)"))

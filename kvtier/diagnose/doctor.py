@@ -116,12 +116,20 @@ def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, flo
         gpus = [g for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
     links = gpu_links(gpus)
     report: dict[str, Any] = {"gpu": links[0], "gpus": links}
-    directory = Path(nvme_dir) if nvme_dir else None
+    drives = [Path(d) for d in str(nvme_dir or "").split(os.pathsep) if d]  # one --nvme-dir per drive
+    directory = drives[0] if drives else None
     if directory is not None:
         report["nvme"] = disk_report(directory)
+        report["drives"] = [report["nvme"]] + [disk_report(d) for d in drives[1:]]
+        if len(drives) > 1:  # each drive on its own, then all of them at once (the cost model's figure)
+            from kvtier.plan.costmodel import measure_nvme_read_bps
+
+            size = (16 if quick else 64) << 20
+            for drive in report["drives"]:
+                drive["read_gbps"] = measure_nvme_read_bps(drive["dir"], size)[0] / 1e9
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     report["memlock_bytes"] = None if soft == resource.RLIM_INFINITY else soft
-    rates = measure_rates(directory, caps, quick=quick)
+    rates = measure_rates(nvme_dir if drives else None, caps, quick=quick)
     report["rates"] = {"host_to_device_gbps": rates.host_to_device_bps / GB, "nvme_read_gbps": rates.nvme_read_bps / GB,
                        "sources": rates.source}
     kv = kv_bytes_per_token(model_path)
@@ -140,14 +148,17 @@ def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, flo
     for link in links:
         warnings += _link_warnings(link, reload["dram"], len(links) > 1)
     gpu = report["gpu"]
-    if directory is not None:
-        nvme = report["nvme"]
+    for nvme in report.get("drives", []):
+        where = nvme["dir"]
         if nvme["filesystem"] in ("tmpfs", "ramfs"):
-            warnings.append(f"{directory} is on {nvme['filesystem']}: the 'NVMe' tier would use RAM and not survive "
+            warnings.append(f"{where} is on {nvme['filesystem']}: the 'NVMe' tier would use RAM and not survive "
                             "a reboot")
         if not nvme["o_direct"]:
-            warnings.append(f"{directory} does not support O_DIRECT: kvtier falls back to buffered IO + fsync "
+            warnings.append(f"{where} does not support O_DIRECT: kvtier falls back to buffered IO + fsync "
                             "(the page cache then holds a second copy)")
+    mounts = [d["mount"] for d in report.get("drives", [])]
+    if len(set(mounts)) < len(mounts):
+        warnings.append("several --nvme-dir directories are on one filesystem: they share one disk's bandwidth")
     if gpu.get("present") and report["memlock_bytes"] is not None and report["memlock_bytes"] < (1 << 30):
         warnings.append(f"memlock limit is {report['memlock_bytes'] >> 20} MiB: pinned DRAM may fail; raise it "
                         "(ulimit -l unlimited, or LimitMEMLOCK=infinity in the service unit)")

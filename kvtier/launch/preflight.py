@@ -283,22 +283,41 @@ def _committed_elsewhere(nvme_dir: Path, running: Sequence) -> int:
         device = os.stat(_nearest_existing(nvme_dir.absolute())).st_dev
     except OSError:
         return 0
+    from kvtier.tiers.nvme.drives import drive_dirs, split_budget
+
     total = 0
     for other in running:
         if not other.nvme_dir or not other.nvme_bytes:
             continue
-        try:
-            if os.stat(_nearest_existing(Path(other.nvme_dir))).st_dev != device:
+        drives = drive_dirs(other.nvme_dir)  # its drives, each with its share of its budget
+        for drive, budget in zip(drives, split_budget(drives, int(other.nvme_bytes))):
+            try:
+                if os.stat(_nearest_existing(Path(drive))).st_dev != device:
+                    continue
+            except OSError:
                 continue
-        except OSError:
-            continue
-        total += max(0, int(other.nvme_bytes) - _stored_bytes(Path(other.nvme_dir)))
+            total += max(0, budget - _stored_bytes(Path(drive)))
     return total
 
 
 def _check_nvme_dir(settings: Settings, create: bool, running: Sequence = ()) -> list[str]:
+    """Every drive of the cold tier (``--nvme-dir`` once per drive): the list against the one its
+    blocks were written with, then each drive with its share of the budget."""
+    from kvtier.tiers.nvme.drives import check_drive_list, drive_dirs, split_budget
+
+    dirs = drive_dirs(settings.nvme_dir)
+    if not dirs:
+        raise ConfigError("no NVMe dir given", hint="pass --nvme-dir a directory on a local SSD")
+    warnings = check_drive_list(dirs, write=False)
+    for raw, budget in zip(dirs, split_budget(dirs, settings.nvme_bytes)):
+        warnings += _check_drive(raw, budget, create, running, len(dirs) > 1)
+    if create:
+        check_drive_list(dirs, write=True)  # every drive checked: record the list (several drives only)
+    return warnings
+
+
+def _check_drive(raw: str, budget: int, create: bool, running: Sequence, several: bool) -> list[str]:
     warnings: list[str] = []
-    raw = settings.nvme_dir
     nvme_dir = Path(raw).expanduser()
     where = _nearest_existing(nvme_dir.absolute())
     unusable = "pass --nvme-dir a writable directory on a local SSD (or set KVTIER_NVME_DIR)"
@@ -352,10 +371,11 @@ def _check_nvme_dir(settings: Settings, create: bool, running: Sequence = ()) ->
     stored = _stored_bytes(nvme_dir) if nvme_dir.is_dir() else 0
     others = _committed_elsewhere(nvme_dir, running)
     room = max(0, usage.free - others) + stored
-    if settings.nvme_bytes > room:
+    if budget > room:
         promised = f", less {human_bytes(others)} other kvtier instances may still fill" if others else ""
+        share = " (its share of the budget: the budget is split across the drives by their size)" if several else ""
         raise ConfigError(
-            f"nvme budget {human_bytes(settings.nvme_bytes)} is larger than the disk space kvtier can use "
+            f"nvme budget {human_bytes(budget)}{share} is larger than the disk space kvtier can use "
             f"in {raw}: {human_bytes(usage.free)} free + {human_bytes(stored)} already stored by kvtier{promised}",
             hint=f"lower --nvme (at most {human_bytes(room)} fits there), free disk space, "
                  "or pass --nvme-dir on a bigger disk")

@@ -391,8 +391,13 @@ def measure_rates(nvme_dir: str | os.PathLike | None, caps: dict[str, float] | N
     h2d, h2d_how = measure_copy_bps(size)
     source = {"host_to_device_bps": h2d_how}
     nvme = DEFAULT_RATES.nvme_read_bps
-    if nvme_dir is not None and Path(nvme_dir).is_dir():
-        nvme, source["nvme_read_bps"] = measure_nvme_read_bps(nvme_dir, size)
+    # several drives (``"/a:/b"``): a restore reads from all at once, so their rates add up; two
+    # directories on one filesystem are one disk, measured once
+    drives = {os.stat(d).st_dev: d for d in str(nvme_dir or "").split(os.pathsep) if d and Path(d).is_dir()}
+    if drives:
+        measured = [measure_nvme_read_bps(d, size) for d in drives.values()]
+        nvme = sum(bps for bps, _how in measured)
+        source["nvme_read_bps"] = measured[0][1] + (f", {len(measured)} drives summed" if len(measured) > 1 else "")
     else:
         source["nvme_read_bps"] = "default (no NVMe directory)"
     return LinkRates(h2d, nvme, source=source).capped(caps or {})

@@ -44,7 +44,7 @@ from kvtier.plugins.vllm.state import RequestState, retain_hint_of
 from kvtier.plugins.vllm.timing import EngineClock, build_cost_model
 from kvtier.plugins.vllm.turns import TurnRecorder, store_skipped
 from kvtier.plugins.vllm.wake import EngineWaker
-from kvtier.tiers.nvme.store import scan_shards
+from kvtier.tiers.nvme.drives import primary_dir, scan_drives
 
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "anonymous_session", "session_of"]
 
@@ -98,8 +98,9 @@ class KVTierScheduler:
         records, removed = [], 0
         cold_dir = nvme_dir if nvme_dir and nvme_bytes else None  # the NVMe tier's dir, when it is on
         if cold_dir:
-            records, removed = scan_shards(nvme_dir, nvme_bytes, self.shards, config.direct_io)
-        self.catalog, catalog_problem = self._open_catalog(cold_dir if config.catalog else None, fingerprint)
+            records, removed = scan_drives(nvme_dir, nvme_bytes, self.shards, config.direct_io)
+        catalog_dir = primary_dir(cold_dir) if config.catalog else None  # drive 0 holds it
+        self.catalog, catalog_problem = self._open_catalog(catalog_dir, fingerprint)
         geometry = fingerprint.geometry
         warm_codec = resolve_codec(config.warm_codec, geometry, "warm")
         cold_codec = resolve_codec(config.cold_codec, geometry, "cold")

@@ -38,7 +38,8 @@ from kvtier.layout import ModelFingerprint, adapter_for
 from kvtier.move.mover import Mover
 from kvtier.plugins.vllm.geometry import layout_name
 from kvtier.tiers.dram import DramArena, SlotAllocator
-from kvtier.tiers.nvme.store import NvmeStore, shard_dir
+from kvtier.tiers.nvme.drives import DriveSet, open_nvme
+from kvtier.tiers.nvme.store import NvmeStore
 from kvtier.tiers.threads import off_forward_cores
 
 __all__ = ["KVTierWorker"]
@@ -86,7 +87,7 @@ class KVTierWorker:
         self._transfer_done = threading.Event()  # a load or store finished (wakes an idle step's wait)
         self.idle_waits = 0  # waits made on steps that ran no forward pass (see get_finished)
         self.mover: Mover | None = None
-        self.nvme: NvmeStore | None = None
+        self.nvme: NvmeStore | DriveSet | None = None
         self.shared = None  # this rank's client of the shared store (kvtier.tiers.shared.store)
         self._results: list[JobResult] = []
         self._load_errors: set[int] = set()
@@ -110,9 +111,8 @@ class KVTierWorker:
         arena = DramArena.for_allocator(slots)
         nvme_dir = self.config.nvme_dir
         if nvme_dir and nvme_bytes:
-            self.nvme = NvmeStore(shard_dir(nvme_dir, self.rank, self.shards), nvme_bytes,
-                                  self.config.io_threads, self.config.direct_io,
-                                  rank=self.rank)
+            self.nvme = open_nvme(nvme_dir, nvme_bytes, self.config.io_threads, self.config.direct_io,
+                                  rank=self.rank, shards=self.shards)
         adapter = adapter_for(layout_name(layers[0]), geometry)
         self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers, rank=self.rank, shards=self.shards,
                            **self._shared_tier(geometry))
