@@ -103,6 +103,34 @@ def shared_report(url: str, auth_file: str | None = None, quick: bool = False) -
     return out
 
 
+def drive_reports(drives: list[Path], quick: bool) -> list[dict[str, Any]]:
+    """Each drive's filesystem, free space and O_DIRECT; with several, each one's read rate on its
+    own (``measure_rates`` then gives all of them at once: the cost model's figure)."""
+    reports = [disk_report(d) for d in drives]
+    if len(drives) > 1:
+        from kvtier.plan.costmodel import measure_nvme_read_bps
+
+        for drive in reports:
+            drive["read_gbps"] = measure_nvme_read_bps(drive["dir"], (16 if quick else 64) << 20)[0] / 1e9
+    return reports
+
+
+def _drive_warnings(drives: list[dict[str, Any]]) -> list[str]:
+    warnings = []
+    for nvme in drives:
+        where = nvme["dir"]
+        if nvme["filesystem"] in ("tmpfs", "ramfs"):
+            warnings.append(f"{where} is on {nvme['filesystem']}: the 'NVMe' tier would use RAM and not survive "
+                            "a reboot")
+        if not nvme["o_direct"]:
+            warnings.append(f"{where} does not support O_DIRECT: kvtier falls back to buffered IO + fsync "
+                            "(the page cache then holds a second copy)")
+    mounts = [d["mount"] for d in drives]
+    if len(set(mounts)) < len(mounts):
+        warnings.append("several --nvme-dir directories are on one filesystem: they share one disk's bandwidth")
+    return warnings
+
+
 def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, float], server: dict | None,
                quick: bool = False, gpus: list[str] | None = None, shared: str | None = None,
                shared_auth_file: str | None = None, codecs: dict[str, str] | None = None) -> dict[str, Any]:
@@ -117,16 +145,9 @@ def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, flo
     links = gpu_links(gpus)
     report: dict[str, Any] = {"gpu": links[0], "gpus": links}
     drives = [Path(d) for d in str(nvme_dir or "").split(os.pathsep) if d]  # one --nvme-dir per drive
-    directory = drives[0] if drives else None
-    if directory is not None:
-        report["nvme"] = disk_report(directory)
-        report["drives"] = [report["nvme"]] + [disk_report(d) for d in drives[1:]]
-        if len(drives) > 1:  # each drive on its own, then all of them at once (the cost model's figure)
-            from kvtier.plan.costmodel import measure_nvme_read_bps
-
-            size = (16 if quick else 64) << 20
-            for drive in report["drives"]:
-                drive["read_gbps"] = measure_nvme_read_bps(drive["dir"], size)[0] / 1e9
+    if drives:
+        report["drives"] = drive_reports(drives, quick)
+        report["nvme"] = report["drives"][0]
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     report["memlock_bytes"] = None if soft == resource.RLIM_INFINITY else soft
     rates = measure_rates(nvme_dir if drives else None, caps, quick=quick)
@@ -148,17 +169,7 @@ def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, flo
     for link in links:
         warnings += _link_warnings(link, reload["dram"], len(links) > 1)
     gpu = report["gpu"]
-    for nvme in report.get("drives", []):
-        where = nvme["dir"]
-        if nvme["filesystem"] in ("tmpfs", "ramfs"):
-            warnings.append(f"{where} is on {nvme['filesystem']}: the 'NVMe' tier would use RAM and not survive "
-                            "a reboot")
-        if not nvme["o_direct"]:
-            warnings.append(f"{where} does not support O_DIRECT: kvtier falls back to buffered IO + fsync "
-                            "(the page cache then holds a second copy)")
-    mounts = [d["mount"] for d in report.get("drives", [])]
-    if len(set(mounts)) < len(mounts):
-        warnings.append("several --nvme-dir directories are on one filesystem: they share one disk's bandwidth")
+    warnings += _drive_warnings(report.get("drives", []))
     if gpu.get("present") and report["memlock_bytes"] is not None and report["memlock_bytes"] < (1 << 30):
         warnings.append(f"memlock limit is {report['memlock_bytes'] >> 20} MiB: pinned DRAM may fail; raise it "
                         "(ulimit -l unlimited, or LimitMEMLOCK=infinity in the service unit)")

@@ -460,20 +460,21 @@ class TierManager:
                 self.table.release_nvme(row, evicted=False)
                 self.table.forget_if_homeless(row, "bad_read")
                 self.telemetry.count("nvme_failed_reads")
-                self._warn_bad_nvme_blocks()
+                self._warn_bad_nvme_blocks(result.error)
                 continue
             if move.dram_slot < 0:  # streamed straight through, not promoted
                 continue
             self.table.index.now_in_dram(row, move.dram_slot, move.nbytes, move.codec)
             self.table.policies[Tier.DRAM].on_insert(row, (move.namespace, move.key))
 
-    def _warn_bad_nvme_blocks(self) -> None:
+    def _warn_bad_nvme_blocks(self, error: str | None = None) -> None:
         """A lasting warning (not cleared by later successes: the operator should know the disk
-        lost or damaged data), with the running count."""
+        lost or damaged data), with the running count and the last failure (it names the drive)."""
         counters = self.telemetry.counters
         bad = counters["nvme_failed_reads"] + counters["nvme_removed_at_start"]
+        last = f"; last: {error}" if error else ""
         self.telemetry.warn("nvme_reads", f"{bad} NVMe blocks were missing or corrupt: dropped, and vLLM recomputed "
-                             "them (check the disk, and that nothing else writes to the NVMe dir)")
+                             f"them (check the disk, and that nothing else writes to the NVMe dir){last}")
 
     # ---- completion ---------------------------------------------------------------------------
     def complete(self, result: JobResult) -> None:

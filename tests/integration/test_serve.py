@@ -494,3 +494,26 @@ def test_the_engine_takes_the_admin_token_from_its_environment():
     assert admin_token_of(parse({"admin_tcp": "127.0.0.1:1"}), {"KVTIER_ADMIN_TOKEN": "from-env"}) == "from-env"
     assert admin_token_of(parse({"admin_token": "legacy"}), {}) == "legacy"
     assert admin_token_of(parse({}), {}) is None
+
+
+# ---- several drives ------------------------------------------------------------------------------
+def test_nvme_dir_once_per_drive_reaches_the_connector(env, model_dir, tmp_path):
+    a, b = tmp_path / "d0", tmp_path / "d1"
+    cmd, _env, result = dry_run(env, model_dir, "--nvme-dir", a, "--nvme-dir", b)
+    assert connector_config(cmd)["kv_connector_extra_config"]["nvme_dir"] == f"{a}{os.pathsep}{b}"
+    assert "one filesystem" in result.stderr  # both on this test's disk: a warning, not a refusal
+
+
+def test_bad_drive_lists_are_refused_with_a_hint(env, model_dir, tmp_path):
+    a, b, c = tmp_path / "d0", tmp_path / "d1", tmp_path / "d2"
+    assert_refused(serve(env, model_dir, "--nvme-dir", a, "--nvme-dir", a, "--dry-run"), "named twice")
+    regular = tmp_path / "a-file"
+    regular.write_text("x")
+    assert_refused(serve(env, model_dir, "--nvme-dir", a, "--nvme-dir", regular, "--dry-run"), str(regular))
+    from kvtier.tiers.nvme.drives import check_drive_list
+
+    check_drive_list([str(a), str(b)], write=True)  # as a server with these two drives records them
+    assert_refused(serve(env, model_dir, "--nvme-dir", a, "--nvme-dir", c, "--dry-run"), "was written with the drives",
+                   "--nvme-dir once for each of")
+    assert_refused(serve(env, model_dir, "--nvme-dir", a, "--nvme", "1000000TiB", "--nvme-dir", b, "--dry-run"),
+                   "its share of the budget")

@@ -146,6 +146,15 @@ def check_drive_list(dirs: Sequence[str], write: bool = False) -> list[str]:
     return warnings
 
 
+def _named(outcome: Any, root: Path) -> Any:
+    """A drive's failure says which drive (status and top show the message)."""
+    if not isinstance(outcome, BaseException) or str(root) in str(outcome):
+        return outcome
+    named = StorageError(f"{outcome} (drive {root})")
+    named.__cause__ = outcome
+    return named
+
+
 def _rank_key(key: bytes, drive: int) -> float:
     digest = hashlib.blake2b(key, digest_size=8, salt=drive.to_bytes(8, "little")).digest()
     return (int.from_bytes(digest, "little") + 1) / (2**64 + 1)  # in (0, 1)
@@ -232,7 +241,7 @@ class DriveSet:
         done = self._each(groups, lambda drive, ps: drive.read_batch([reads[p] for p in ps], fingerprint))
         for i, positions in groups.items():
             for pos, outcome in zip(positions, done[i]):
-                out[pos] = outcome
+                out[pos] = _named(outcome, self.drives[i].root)
         return out
 
     def read_into(self, namespace: bytes, key: bytes, dst: Any, fingerprint: bytes) -> tuple[int, str]:

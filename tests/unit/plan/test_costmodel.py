@@ -192,6 +192,26 @@ def test_doctor_without_a_server(tmp_path):
     assert bad.exit_code == 2 and "config.json" in bad.output and "hint:" in bad.output
 
 
+def test_doctor_measures_each_drive_and_all_of_them(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtier.cli.main import app
+
+    a, b = tmp_path / "d0", tmp_path / "d1"
+    out = CliRunner().invoke(app, ["doctor", "--json", "--quick", "--nvme-dir", str(a), "--nvme-dir", str(b),
+                                   "--socket", str(tmp_path / "none.sock")])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output[out.output.index("{"):])
+    assert [d["dir"] for d in report["drives"]] == [str(a), str(b)]
+    assert all(d["read_gbps"] > 0 for d in report["drives"]) and report["rates"]["nvme_read_gbps"] > 0
+    assert any("one filesystem" in w for w in report["warnings"])  # two directories, one disk
+    human = CliRunner().invoke(app, ["doctor", "--quick", "--nvme-dir", str(a), "--nvme-dir", str(b),
+                                     "--socket", str(tmp_path / "none.sock")])
+    assert "NVMe drive 0" in human.output and "NVMe drive 1" in human.output
+
+
 def test_doctor_reads_break_even_from_a_server(fingerprint, hbm, tmp_path):
     import json
 
