@@ -133,6 +133,9 @@ def _durability_lines(doc: dict) -> list[str]:
                      f"oldest {dirty['dirty_age_s']:.1f}s (a crash would lose them; `kvtier flush` writes them now)")
     elif doc["tiers"]["nvme"].get("capacity_bytes"):
         lines.append("not yet on NVMe: nothing (every DRAM block has an NVMe copy)")
+    drives = doc.get("nvme_drives") or []
+    if len(drives) > 1:
+        lines.append(f"NVMe drives: {', '.join(drives)} (blocks placed by key hash; a restore reads all at once)")
     catalog = doc.get("catalog")
     if catalog:
         lines.append(f"session catalog: {catalog['path']} ({catalog['sessions_at_start']:,} sessions read back "

@@ -44,7 +44,7 @@ from kvtier.plugins.vllm.state import RequestState, retain_hint_of
 from kvtier.plugins.vllm.timing import EngineClock, build_cost_model
 from kvtier.plugins.vllm.turns import TurnRecorder, store_skipped
 from kvtier.plugins.vllm.wake import EngineWaker
-from kvtier.tiers.nvme.drives import primary_dir, scan_drives
+from kvtier.tiers.nvme.drives import drive_dirs, primary_dir, scan_drives
 
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "anonymous_session", "session_of"]
 
@@ -219,7 +219,8 @@ class KVTierScheduler:
         info = {"model": self.fingerprint.model_id, "api_url": self._api_url,
                 "kv_dtype": self.fingerprint.geometry.dtype,
                 "block_tokens": self.block_tokens, "instance": config.instance,
-                "revision": config.revision, "commit": config.commit, "weights": self.fingerprint.weights}
+                "revision": config.revision, "commit": config.commit, "weights": self.fingerprint.weights,
+                "nvme_drives": drive_dirs(config.cold_dir)}
         self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, config.snapshot_dir, info, hbm=self.hbm_usage,
                        cost=self.cost, shared=self.shared)
         tcp = None

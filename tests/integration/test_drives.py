@@ -36,5 +36,12 @@ def test_one_of_two_drives_lost_while_serving_fails_no_request(tiny_model, tmp_p
         status = admin.get("/v1/status")
         assert status["counters"].get("nvme_failed_reads", 0) > 0
         assert str(b) in json.dumps(status["warnings"]), status["warnings"]  # the lost drive is named
+        assert status["nvme_drives"] == [str(a), str(b)]
+        from typer.testing import CliRunner
+
+        from kvtier.cli.main import app
+
+        shown = CliRunner().invoke(app, ["status", "--socket", served.socket])
+        assert shown.exit_code == 0 and "NVMe drives: " in shown.output, shown.output
     finally:
         served.stop()
