@@ -229,6 +229,19 @@ class StorageViews:
             return whole[offset : offset + t.nbytes]
         return bytes_view(t)
 
+    def both(self, t, padded: int | None) -> tuple[memoryview, memoryview | None]:
+        """``data(t)`` and, when ``padded`` is given, ``window(t, padded)``: one look at the tensor
+        (a batch of thousands of small blocks pays each torch attribute once, not twice)."""
+        if not hasattr(t, "untyped_storage") or not t.is_contiguous():
+            return bytes_view(t), None
+        base, whole = self._storage(t)
+        ptr = t.data_ptr()
+        offset = ptr - base
+        data = whole[offset : offset + t.nbytes]
+        if padded is None or ptr % PAGE or offset + padded > len(whole):
+            return data, None
+        return data, whole[offset : offset + padded]
+
     def window(self, t, padded: int) -> memoryview | None:
         """``padded`` bytes from a contiguous tensor's page-aligned start (into its storage's bytes
         after it), or None when it is not such a tensor or its storage ends before."""

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from kvtier.errors import CorruptBlockError
 from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.nvme.parts import MAX_RECORDS_PER_IO, _Item
-from kvtier.tiers.records import HEADER_BYTES, checksum, file_bytes_for, pack_header, unpack_header
+from kvtier.tiers.records import HEADER_BYTES, allocate, checksum, file_bytes_for, pack_header, unpack_header
 from kvtier.tiers.threads import off_forward_cores
 
 __all__ = ["IoEngine", "captured"]
@@ -113,6 +113,7 @@ class IoEngine:
         size = sum(file_bytes_for(len(item.data)) for item in io)
         fd = os.open(path, os.O_WRONLY | (os.O_DIRECT if self.direct else 0))
         try:
+            allocate(fd, io[0].extent.offset, size)  # ENOSPC here fails the run, as a short write would
             written = os.pwritev(fd, vectors, io[0].extent.offset)
         finally:
             os.close(fd)

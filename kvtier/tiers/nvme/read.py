@@ -74,13 +74,14 @@ class SegmentReader:
 
     def _prepare(self, items: list[_Item]) -> None:
         views = StorageViews()
+        direct = self._engine.direct
         for item in items:
-            item.data = views.data(item.buffer)
             # read in place only into a page-aligned destination that owns the padded length itself,
             # so the padding never spills into a neighbour's bytes
             padded = round_up(item.extent.nbytes)
-            if self._engine.direct and len(item.data) >= padded:
-                item.window = views.window(item.buffer, padded)
+            item.data, window = views.both(item.buffer, padded if direct else None)
+            if window is not None and len(item.data) >= padded:
+                item.window = window
 
     def _read_run(self, io: list[_Item], fingerprint: bytes) -> list:
         where = self._space.path_or_none(io[0].extent.segment) or self._space.seg_dir

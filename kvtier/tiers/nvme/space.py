@@ -50,6 +50,7 @@ class SegmentSpace:
         self.segments: dict[int, Segment] = {}
         self._active: Segment | None = None
         self._next_id = 1
+        self._dir_unsynced = False  # a segment was created since the directory was last made durable
         self._live = 0  # sum of the segments' live bytes
         self._reserved = 0  # bytes reserved by writes not yet committed or failed
         self._lock = threading.Lock()
@@ -156,14 +157,17 @@ class SegmentSpace:
             self._active = None
 
     # ---- placing records ------------------------------------------------------------------
-    def place(self, items: list[_Item]) -> None:
+    def place(self, items: list[_Item], allocate_now: bool = True) -> None:
         """Give each item consecutive offsets in the open segment (opening the next one when full)
-        and allocate the ranges on disk. On failure the items are left unplaced."""
+        and allocate the ranges on disk (unless ``allocate_now`` is False: the writer's IO threads
+        then allocate each run's range just before writing it, in parallel, so that many small
+        records' worth of ``fallocate`` calls never hold up the thread that hands out the IOs).
+        On failure the items are left unplaced."""
         ranges: list[tuple[Segment, int, int]] = []
         try:
             with self._lock:
                 self._assign(items, ranges)
-            for segment, start, end in ranges:
+            for segment, start, end in ranges if allocate_now else ():
                 fd = os.open(segment.path, os.O_WRONLY)
                 try:
                     allocate(fd, start, end - start)
@@ -198,10 +202,23 @@ class SegmentSpace:
         path = self.seg_dir / f"{seg_id:08d}.kvseg"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
-        fsync_dir(self.seg_dir)
+        self._dir_unsynced = True  # made durable before the journal first names it (sync_dir)
         segment = self.segments[seg_id] = Segment(seg_id, path, sealed=False)
         self._active = segment
         return segment
+
+    def sync_dir(self) -> None:
+        """Make new segments' directory entries durable, once per commit that needs it: never under
+        the placing lock, where a directory fsync (which waits for the filesystem's journal, behind
+        every write in flight) would hold up the next IO's placing."""
+        with self._lock:
+            needed, self._dir_unsynced = self._dir_unsynced, False
+        if needed:
+            try:
+                fsync_dir(self.seg_dir)
+            except OSError:
+                self._dir_unsynced = True
+                raise
 
     def settle(self, items: list[_Item]) -> None:
         """Placed items failed or were not needed: their segments may be deleted once empty."""

@@ -120,12 +120,11 @@ class SegmentWriter:
         it is ready, so the disk works while the rest is prepared."""
         launched: list[tuple[list[_Item], Future | BaseException]] = []
         for chunk in _chunks(items):
+            direct = self._engine.direct
             for item in chunk:  # written from where it lies when it is page-aligned (O_DIRECT)
-                item.data = views.data(item.buffer)
-                item.window = views.window(item.buffer, round_up(item.extent.nbytes)) if self._engine.direct \
-                    else None
+                item.data, item.window = views.both(item.buffer, round_up(item.extent.nbytes) if direct else None)
             try:
-                self._space.place(chunk)
+                self._space.place(chunk, allocate_now=False)  # each run allocates its range on its IO thread
             except OSError as exc:
                 launched.append((chunk, exc))
                 continue
@@ -149,6 +148,7 @@ class SegmentWriter:
         returns the items committed."""
         if not items:
             return []
+        self._space.sync_dir()  # a new segment's name is durable before the journal names it
         self._engine.count("commits")
         kept, replaced = self._locator.put([(item.name, item.extent) for item in items], expected,
                                            named=self._space.committed)
