@@ -25,7 +25,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.layout import LayoutAdapter, ModelFingerprint
     from kvtier.tiers.dram import DramArena
 
-__all__ = ["DeviceCopies"]
+__all__ = ["DeviceCopies", "PIPELINE_BYTES"]
+
+# a load reads its NVMe blocks in parts of about this size and copies each part to the device as
+# soon as it has landed: with CUDA the copy of the first part runs on the copy stream while the next
+# is read (a 15 GB session then costs the larger of its read and its host-to-device copy, not both)
+PIPELINE_BYTES = 256 << 20
 
 
 class DeviceCopies:
@@ -86,39 +91,49 @@ class DeviceCopies:
             self.stream.sync()
 
     def load(self, job: Job, result: JobResult) -> None:
+        """Read and copy in parts (``PIPELINE_BYTES``), in the job's order (a session's prefix
+        first); only the prefix before the first bad block is loaded, vLLM recomputes the rest."""
         assert self.adapter is not None and self.kv_layers is not None, "mover has no KV tensors"
         self.fences.wait([m.dram_slot for m in job.moves if m.dram_slot >= 0 and not m.from_nvme])
-        sources = self.disk.read(job, result)
+        sources: dict = {}
+        in_flight: list = []  # staging tensors the copy stream may still write: alive until the sync
         try:
-            self._load_sources(job, result, sources)
+            for part in _parts(job.moves, PIPELINE_BYTES):
+                sources.update(self.disk.read(job, result, part))
+                bad = min(result.failed, default=None)
+                in_flight.append(self._load_sources(job, result, sources,
+                                                    range(part.start, part.stop if bad is None else bad)))
+                if bad is not None:
+                    result.failed = list(range(bad, len(job.moves)))
+                    break
         finally:
+            self.stream.sync()  # every part's copies done before their buffers are reused
             self.staging.give(sources.values())
 
-    def _load_sources(self, job: Job, result: JobResult, sources: dict) -> None:
-        count = len(job.moves)
-        if result.failed:  # load only the prefix before the first bad block; vLLM recomputes the rest
-            count = min(result.failed)
-            result.failed = list(range(count, len(job.moves)))
-        moves = job.moves[:count]
+    def _load_sources(self, job: Job, result: JobResult, sources: dict, part: range) -> "torch.Tensor | None":
+        """Copy ``part`` of the job's blocks (read already) into vLLM's KV cache; with CUDA the
+        copies are queued on the copy stream, synchronised once the whole job is queued."""
+        moves = job.moves[part.start : part.stop]
         for move in moves:
             if not move.from_nvme:
                 move.nbytes = self.ledger.nbytes_of(move)
-        raw = [sources.get(i, self.arena.slot(m.dram_slot) if m.dram_slot >= 0 else None) for i, m in enumerate(moves)]
+        raw = [sources.get(i, self.arena.slot(m.dram_slot) if m.dram_slot >= 0 else None)
+               for i, m in zip(part, moves)]
         plain = all(get_codec(m.codec).raw for m in moves)
         if not self.stream.cuda and plain:  # CPU: scatter each block straight from its slot or read buffer
             for move, source in zip(moves, raw):
                 self.adapter.scatter(self._as_block(source), self.kv_layers, [move.device_block])
                 self.links.count("dram->hbm", move.nbytes, result)
-            return
+            return None
         if not moves:
-            return
-        staging = self._staging(count)  # decode (on the device with CUDA) into staging, one scatter
+            return None
+        staging = self._staging(len(moves))  # decode (on the device with CUDA) into staging, one scatter
         with self.stream.on_stream():
             for i, (move, source) in enumerate(zip(moves, raw)):
                 self._decode_into(move, source[: move.nbytes], staging[i])
                 self.links.count("dram->hbm", move.nbytes, result)
             self.adapter.scatter(staging, self.kv_layers, [m.device_block for m in moves])
-            self.stream.sync()
+        return staging
 
     def _decode_into(self, move: BlockMove, payload: "torch.Tensor", block: "torch.Tensor") -> None:
         """Decode one stored payload into a staging block (CUDA: H2D the payload, decode on the GPU)."""
@@ -132,3 +147,18 @@ class DeviceCopies:
         if codec.host_unpack:  # the lossless layer unpacks on the CPU
             payload, codec = codec.unpack(payload, codec.inner.max_bytes(self.fingerprint.geometry)), codec.inner
         codec.decode(payload.to(self.device, non_blocking=True), block)
+
+
+def _parts(moves: Sequence[BlockMove], part_bytes: int) -> list[range]:
+    """Consecutive ranges of ``moves`` holding about ``part_bytes`` of NVMe reads each (a range ends
+    after the move that reaches it; DRAM blocks ride along with their neighbours)."""
+    parts, start, size = [], 0, 0
+    for i, move in enumerate(moves):
+        if move.from_nvme:
+            size += max(move.nbytes, 1)
+        if size >= part_bytes:
+            parts.append(range(start, i + 1))
+            start, size = i + 1, 0
+    if start < len(moves) or not parts:
+        parts.append(range(start, len(moves)))
+    return parts

@@ -55,9 +55,11 @@ class DiskMoves:
         return True
 
     # ---- NVMe -> DRAM -------------------------------------------------------------------------
-    def read(self, job: Job, result: JobResult) -> dict[int, "torch.Tensor"]:
-        """Read the job's NVMe blocks (into their DRAM slot, or a buffer of their own)."""
-        reads = [(i, m) for i, m in enumerate(job.moves) if m.from_nvme]
+    def read(self, job: Job, result: JobResult, positions: range | None = None) -> dict[int, "torch.Tensor"]:
+        """Read the job's NVMe blocks (into their DRAM slot, or a buffer of their own); with
+        ``positions``, only those of these moves (a pipelined load reads its job in parts)."""
+        span = positions if positions is not None else range(len(job.moves))
+        reads = [(i, job.moves[i]) for i in span if job.moves[i].from_nvme]
         if not reads:
             return {}
         store = self.need_store()

@@ -186,7 +186,8 @@ class DriveSet:
         self.rank = rank
         total = sum(budgets) or 1
         self._weights = [max(b, 1) / total for b in budgets]
-        self._pool = ThreadPoolExecutor(max_workers=len(self.drives), thread_name_prefix="kvtier-drives")
+        # two per drive: the mover's next batch starts on a drive while its last one finishes
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(self.drives), thread_name_prefix="kvtier-drives")
 
     # ---- placement ------------------------------------------------------------------------------
     def order(self, key: bytes) -> list[int]:

@@ -238,6 +238,31 @@ def test_corrupt_nvme_block_loads_prefix_only(fingerprint, hbm, tmp_path, policy
         assert os.pread(f.fileno(), size, offset) == bytes(size)
 
 
+def test_a_load_read_in_parts_copies_each_part_and_stops_at_a_bad_block(fingerprint, hbm, tmp_path, monkeypatch):
+    """A long load is read and copied part by part (on a GPU the copy of one part overlaps the read of
+    the next); the KV is exact, and a bad block in a later part stops the load there."""
+    import kvtier.move.device as device
+
+    block_bytes = fingerprint.geometry.block_bytes
+    monkeypatch.setattr(device, "PIPELINE_BYTES", 2 * block_bytes)  # two blocks per part
+    engine = make_engine(fingerprint, hbm, tmp_path)
+    ns = namespace_of(fingerprint.digest)
+    keys = session_keys(3, 7)
+    engine.store("s", ns, keys, list(range(7)))
+    before = [layer.clone() for layer in hbm]
+    engine.evict("s", Tier.NVME)
+    assert engine.load(ns, keys, list(range(40, 47))) == 7
+    assert blocks_equal(hbm, list(range(40, 47)), before, list(range(7)))
+    engine.evict("s", Tier.NVME)
+    path, offset, _size = engine.nvme.locate(ns, keys[5])  # in the third part
+    with open(path, "r+b") as f:
+        byte = os.pread(f.fileno(), 1, offset + 5000)
+        os.pwrite(f.fileno(), bytes([byte[0] ^ 0x10]), offset + 5000)
+    assert engine.load(ns, keys, list(range(50, 57))) == 5
+    assert blocks_equal(hbm, list(range(50, 55)), before, list(range(5)))
+    engine.close()
+
+
 def test_arc_ghost_hit_grows_recency_target():
     from kvtier.plan.index import BlockIndex
     from kvtier.plan.policy import ARCPolicy
