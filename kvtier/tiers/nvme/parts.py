@@ -74,27 +74,25 @@ def _nbytes(payload: Any) -> int:
     return int(nbytes) if nbytes is not None else memoryview(payload).nbytes
 
 
-def _chunks(items: list[_Item], first_bytes: int = IO_BYTES) -> Iterator[list[_Item]]:
-    """Consecutive items, about one IO's worth each (IO_BYTES / MAX_RECORDS_PER_IO); the first
-    chunk up to ``first_bytes`` (small: the disk starts on it while the rest is prepared)."""
-    return _runs(items, adjacent_only=False, first_bytes=first_bytes)
+def _chunks(items: list[_Item]) -> Iterator[list[_Item]]:
+    """Consecutive items, about one IO's worth each (IO_BYTES / MAX_RECORDS_PER_IO)."""
+    return _runs(items, adjacent_only=False)
 
 
-def _runs(items: list[_Item], adjacent_only: bool = True, first_bytes: int = IO_BYTES) -> Iterator[list[_Item]]:
-    """Items cut into IOs of up to IO_BYTES / MAX_RECORDS_PER_IO (the first up to ``first_bytes``):
-    adjacent records of one segment (``adjacent_only``), or simply consecutive items."""
+def _runs(items: list[_Item], adjacent_only: bool = True) -> Iterator[list[_Item]]:
+    """Items cut into IOs of up to IO_BYTES / MAX_RECORDS_PER_IO: adjacent records of one segment
+    (``adjacent_only``), or simply consecutive items."""
     run: list[_Item] = []
     size = 0
-    limit = min(first_bytes, IO_BYTES)
     for item in items:
         length = file_bytes_for(item.extent.nbytes)
         if run:
             last = run[-1].extent
             apart = adjacent_only and (last.segment != item.extent.segment
                                        or last.offset + file_bytes_for(last.nbytes) != item.extent.offset)
-            if apart or size + length > limit or len(run) >= MAX_RECORDS_PER_IO:
+            if apart or size + length > IO_BYTES or len(run) >= MAX_RECORDS_PER_IO:
                 yield run
-                run, size, limit = [], 0, IO_BYTES
+                run, size = [], 0
         run.append(item)
         size += length
     if run:

@@ -8,7 +8,6 @@ live bytes), the locator (the commit) and the IO engine, which it is given."""
 from __future__ import annotations
 
 import errno
-import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -23,9 +22,6 @@ from kvtier.tiers.nvme.space import SegmentSpace
 from kvtier.tiers.records import StorageViews
 
 __all__ = ["SegmentWriter"]
-
-
-FIRST_IO_BYTES = 1 << 20  # a batch's first IO: small, so the disk starts while the rest is placed
 
 
 class SegmentWriter:
@@ -123,7 +119,7 @@ class SegmentWriter:
         """Streamed: each IO's worth of records is placed and handed to the IO threads as soon as
         it is ready, so the disk works while the rest is prepared."""
         launched: list[tuple[list[_Item], Future | BaseException]] = []
-        for chunk in _chunks(items, FIRST_IO_BYTES):
+        for chunk in _chunks(items):
             direct = self._engine.direct
             for item in chunk:  # written from where it lies when it is page-aligned (O_DIRECT)
                 item.data, item.window = views.both(item.buffer, round_up(item.extent.nbytes) if direct else None)
@@ -134,7 +130,6 @@ class SegmentWriter:
                 continue
             for run in _runs(chunk):
                 launched.append((run, self._engine.submit(captured, self._write_run, run, fingerprint)))
-            time.sleep(0)  # hand the GIL to the IO threads now: this loop would hold it for 5 ms (the switch interval)
         return launched
 
     def _write_run(self, run: list[_Item], fingerprint: bytes) -> None:
