@@ -165,15 +165,19 @@ class TopApp(App):
         if snap is None:
             header.set("kvtier top · waiting for the first sample…")
             return
-        counts: dict[str, int] = {}
-        for row in snap.sessions:
-            counts[row.state] = counts.get(row.state, 0) + 1
+        counts: dict[str, int] = dict(snap.session_states)  # the server's count of every session
+        if not counts or snap.all_sessions:
+            counts = {}
+            for row in snap.sessions:
+                counts[row.state] = counts.get(row.state, 0) + 1
         states = " ".join(f"{counts[state]} {state}" for state in ("hot", "warm", "cold", "pinned", "gone")
                           if counts.get(state))
         server = snap.model or "?" if snap.connected else "no server"
         if snap.instance and len(snap.instances) > 1:
             server = f"[{snap.instance}] {server}" + (" · all instances" if snap.all_sessions else "")
         shown = f"{len(self._rows_all)}/{len(snap.sessions)}" if self.filter else f"{len(snap.sessions)}"
+        if snap.sessions_total is not None and snap.sessions_total > len(snap.sessions) and not snap.all_sessions:
+            shown += f" most recent of {snap.sessions_total:,}"
         extra = f" · filter '{self.filter}'" if self.filter else ""
         header.set(f"{time.strftime('%H:%M:%S', time.localtime(snap.taken))} {server} │ {shown} sessions: "
                       f"{states or 'none'} │ by {SORTS[self.sort]}{extra}")

@@ -21,6 +21,7 @@ __all__ = ["BoxCollector", "Collector", "Nvml", "replay"]
 KVTIER_LINKS = (("load", "DRAM→HBM"), ("store", "HBM→DRAM"), ("demote", "DRAM→NVMe"),
                 ("promote", "NVMe→DRAM"), ("snapshot", "snapshot"), ("restore", "restore"))
 HISTORY = 60
+SESSION_ROWS = 1000  # rows asked for each poll, most recent first: 100k sessions cost what 1,000 do
 
 
 class Nvml:
@@ -117,9 +118,11 @@ class Collector:
         now = self.clock()
         banners: list[str] = []
         status = sessions = jobs = None
+        total = None
         try:
             status = self.client.get("/v1/status")
-            sessions = self.client.get("/v1/sessions")["sessions"]
+            page = self.client.get("/v1/sessions", limit=SESSION_ROWS)
+            sessions, total = page["sessions"], page.get("total")
             jobs = self.client.get("/v1/jobs")["jobs"]
         except NoServerError as exc:
             banners.append(f"no kvtier server: {exc.message}; {exc.hint or ''} (retrying)")
@@ -144,6 +147,7 @@ class Collector:
             sessions=self._sessions(sessions), jobs=tuple(_job(j) for j in jobs[:50]),
             gpu=self.nvml.name, dirty_bytes=(status.get("dirty") or {}).get("dirty_bytes"),
             dirty_age_s=(status.get("dirty") or {}).get("dirty_age_s"),
+            sessions_total=total, session_states=tuple((status.get("sessions") or {}).items()),
         )
 
     def _sessions(self, answer: list[dict]) -> tuple[SessionRow, ...]:
@@ -321,7 +325,8 @@ class BoxCollector:
             dram, nvme = tiers.get("dram"), tiers.get("nvme")
             rows.append(InstanceRow(name, inst.port, snap.model or inst.model,
                                     None if inst.gpus is None else tuple(inst.gpus), snap.connected,
-                                    len(snap.sessions), dram.used_bytes if dram else None,
+                                    snap.sessions_total if snap.sessions_total is not None else len(snap.sessions),
+                                    dram.used_bytes if dram else None,
                                     dram.capacity_bytes if dram else None, nvme.used_bytes if nvme else None,
                                     nvme.capacity_bytes if nvme else None))
         users: dict[int, list[str]] = {}

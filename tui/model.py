@@ -123,6 +123,8 @@ class Snapshot:
     instances: tuple[InstanceRow, ...] = ()
     gpus: tuple[GpuRow, ...] = ()
     all_sessions: bool = False  # sessions of every instance, each row naming its own
+    sessions_total: int | None = None  # sessions on the server (the rows are its most recent ones)
+    session_states: tuple[tuple[str, int], ...] = ()  # every session's state, counted by the server
     version: int = field(default=SNAPSHOT_VERSION)
 
     def to_json(self) -> str:
@@ -139,6 +141,7 @@ class Snapshot:
         doc["links"] = tuple(Link(**{**link, "history": tuple(link.get("history", ()))}) for link in doc.get("links",
                                                                                                              ()))
         doc["hit_rates"] = tuple((name, rate) for name, rate in doc.get("hit_rates", ()))
+        doc["session_states"] = tuple((state, n) for state, n in doc.get("session_states", ()))
         doc["sessions"] = tuple(SessionRow(**s) for s in doc.get("sessions", ()))
         doc["jobs"] = tuple(JobRow(**j) for j in doc.get("jobs", ()))
         doc["instances"] = tuple(InstanceRow(**{**i, "gpus": None if i.get("gpus") is None else tuple(i["gpus"])})

@@ -342,3 +342,42 @@ def bench_agents(
 
     for title, columns, rows in tables(results):
         print_table(title, columns, rows)
+
+
+@bench_app.command("restore")
+@handle_errors
+def bench_restore(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quick: bool = typer.Option(False, "--quick", help="A 1 GiB session (and 1 GiB from RAM) instead of 8 GiB."),
+    gib: Optional[float] = typer.Option(None, "--gib", min=0.001, max=4096,
+                                        help="Session size in GiB (default 8; --quick: 1)."),
+    nvme_dirs: Optional[list[str]] = typer.Option(None, "--nvme-dir", metavar="DIR",
+                                                  help="A drive to restore from (repeat for several; default: "
+                                                       "the current dir)."),
+) -> None:
+    """A 70B-shaped session of GiBs restored from NVMe into DRAM: vs raw direct reads, CPU, RSS, RAM ceiling."""
+    from kvtier.bench.restore import RESTORE_KEYS, run_restore_bench
+
+    results = run_restore_bench(gib=gib if gib is not None else (1.0 if quick else 8.0), quick=quick,
+                                dirs=nvme_dirs or None, progress=bench_progress(json_out))
+    emit_bench("kvtier bench restore", RESTORE_KEYS, results, json_out)
+
+
+@bench_app.command("scale")
+@handle_errors
+def bench_scale(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quick: bool = typer.Option(False, "--quick", help="200k blocks and 200k catalog sessions the largest sizes "
+                                                      "instead of 1M; 15 s of top's CPU instead of 60 s."),
+    directory: Optional[Path] = typer.Option(None, "--dir", help="Where the NVMe tier and catalogs are built "
+                                                                 "(default: the current dir; the full run "
+                                                                 "needs about 12 GiB free)."),
+) -> None:
+    """Costs as the work grows: NVMe start-up, RAM, lookups, victims and journal compaction at 10k-1M
+    blocks; catalogs of 10k-1M sessions; `kvtier sessions --json` and `kvtier top` with 100k sessions."""
+    from kvtier.bench.scale import SCALE_KEYS, run_scale_bench
+
+    _check_bench_dir(directory)
+    results = run_scale_bench(quick=quick, progress=bench_progress(json_out),
+                              directory=str(directory) if directory else None)
+    emit_bench("kvtier bench scale", SCALE_KEYS, results, json_out)

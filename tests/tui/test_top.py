@@ -235,6 +235,19 @@ def test_collector_rates_and_missing_nvml(live):
         assert all(link.bytes_per_s is None for link in second.links if link.source == "nvml")
 
 
+def test_top_asks_for_its_rows_and_counts_every_session_from_the_server(live, monkeypatch):
+    """With more sessions than it shows, top takes the most recent page and the server's totals
+    (100k sessions then cost it what 1,000 do)."""
+    import kvtier.tui.collector as collector
+
+    monkeypatch.setattr(collector, "SESSION_ROWS", 7)
+    snap = Collector(live.client).poll()
+    assert len(snap.sessions) == 7 and snap.sessions_total == 30
+    assert sum(n for _state, n in snap.session_states) == 30
+    last_use = [row.last_use for row in snap.sessions]
+    assert last_use == sorted(last_use, reverse=True)  # the most recent ones
+
+
 def test_snapshot_round_trips_through_json(live):
     snapshot = Collector(live.client).poll()
     assert Snapshot.from_json(snapshot.to_json()) == snapshot

@@ -74,25 +74,29 @@ def test_a_full_drive_sends_its_blocks_to_the_next_one(tmp_path):
     drives.close()
 
 
+def files_of(root: Path) -> dict[str, bytes]:
+    found = {p.name: p.read_bytes() for p in (root / "segments").iterdir()}
+    return found | {"index.kvj": (root / "index.kvj").read_bytes()}
+
+
 def test_a_single_directory_becomes_drive_0_with_nothing_rewritten(tmp_path):
     a = tmp_path / "a"
     one = NvmeStore(a, 64 << 20, io_threads=2)
     written = blocks(50)
     one.write_batch(written, FP)
     one.close()
-    before = {p.name: p.read_bytes() for p in (a / "segments").iterdir()} | {"index.kvj": (a / "index.kvj").read_bytes()}
+    before = files_of(a)
     check_drive_list([str(a), str(tmp_path / "b")], write=True)
     both = open_nvme(f"{a}:{tmp_path / 'b'}", 64 << 20, io_threads=2)
     assert read_all(both, written) == [True] * 50
-    after = {p.name: p.read_bytes() for p in (a / "segments").iterdir()} | {"index.kvj": (a / "index.kvj").read_bytes()}
-    assert after == before
+    assert files_of(a) == before
     both.close()
 
 
 def test_the_drive_list_is_checked(tmp_path):
     a, b, c = (str(tmp_path / x) for x in "abc")
     with pytest.raises(ConfigError, match="named twice"):
-        check_drive_list([a, str(Path(a) / "." )])
+        check_drive_list([a, str(Path(a) / ".")])
     warnings = check_drive_list([a, b], write=True)
     assert any("one filesystem" in w for w in warnings)  # both under tmp_path: one disk
     assert (Path(a) / MANIFEST).is_file()
