@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import mmap
 import os
 import struct
@@ -30,7 +31,7 @@ from pathlib import Path
 import xxhash
 
 from kvtier.errors import StorageError
-from kvtier.tiers.dram import PAGE, round_up
+from kvtier.tiers.dram import PAGE
 
 __all__ = ["HEADER_BYTES", "MAGIC", "VERSION", "Header", "checksum", "file_bytes_for", "pack_header",
            "unpack_header", "probe_direct_io", "punch_hole", "allocate", "bytes_view", "is_aligned_tensor",
@@ -48,9 +49,11 @@ _HEADER = struct.Struct("<4sHHQQQ16s16s32sH64sHI")
 _LAYOUTS = {1: _HEADER_V1, 2: _HEADER_V2, 3: _HEADER}
 
 
+@functools.lru_cache(maxsize=4096)
 def file_bytes_for(payload_nbytes: int) -> int:
-    """Bytes a record occupies on disk: the header page plus the payload padded to a page."""
-    return HEADER_BYTES + round_up(payload_nbytes)
+    """Bytes a record occupies on disk: the header page plus the payload padded to a page (called
+    several times for every block at start-up: a few sizes recur, so they are remembered)."""
+    return HEADER_BYTES + (payload_nbytes + PAGE - 1) // PAGE * PAGE
 
 
 def checksum(data) -> int:

@@ -223,10 +223,16 @@ class ShardRecovery:
         """Entries pointing past their segment's end or into a hole (the disk lost them): removed
         from ``live`` and returned."""
         holes = {seg_id: find_holes(path, sizes[seg_id]) for seg_id, path in files.items() if seg_id in sizes}
-        dropped = [name for name, ext in live.items()
-                   if ext.segment not in sizes or ext.offset % PAGE
-                   or ext.offset + file_bytes_for(ext.nbytes) > sizes[ext.segment]
-                   or in_hole(holes[ext.segment], ext.offset, file_bytes_for(ext.nbytes))]
+        dropped = []
+        for name, ext in live.items():  # every block: one pass, each size computed once
+            size = sizes.get(ext.segment)
+            end = ext.offset + file_bytes_for(ext.nbytes)
+            if size is None or ext.offset % PAGE or end > size:
+                dropped.append(name)
+                continue
+            found = holes[ext.segment]
+            if found and in_hole(found, ext.offset, end - ext.offset):
+                dropped.append(name)
         for name in dropped:
             del live[name]
         if dropped:
