@@ -230,7 +230,24 @@ class DriveSet:
                         pending.append(pos)
             if not pending:
                 break
+        self._drop_other_copies(blocks, out)
         return out
+
+    def _drop_other_copies(self, blocks: Sequence[tuple[bytes, bytes, Any, str]], out: list) -> None:
+        """A block written to one drive while an older copy lies on another (it went there when its
+        own drive failed): the older copy goes, so a later drop cannot leave it behind to be read."""
+        stale: dict[int, list[Name]] = {}
+        for (ns, key, _payload, _codec), outcome in zip(blocks, out):
+            if isinstance(outcome, BaseException):
+                continue
+            holders = [i for i, drive in enumerate(self.drives) if drive.contains(ns, key)]
+            if len(holders) > 1:
+                newest = self.holder(ns, key)
+                for i in holders:
+                    if i != newest:
+                        stale.setdefault(i, []).append((ns, key))
+        for i, names in stale.items():
+            self.drives[i].delete_many(names)
 
     def read_batch(self, reads: Sequence[tuple[bytes, bytes, Any]], fingerprint: bytes) -> list:
         """Every drive reads its share at once (each its merged reads and its own queue depth)."""
@@ -262,15 +279,15 @@ class DriveSet:
         return self.drives[self.order(key)[0] if where is None else where]
 
     def delete(self, namespace: bytes, key: bytes) -> int:
-        where = self.holder(namespace, key)
-        return self.drives[where].delete(namespace, key) if where is not None else 0
+        return self.delete_many([(namespace, key)])
 
     def delete_many(self, names: Iterable[Name]) -> int:
+        """Forget blocks on every drive that holds them."""
         groups: dict[int, list[Name]] = {}
         for ns, key in names:
-            where = self.holder(ns, key)
-            if where is not None:
-                groups.setdefault(where, []).append((ns, key))
+            for i, drive in enumerate(self.drives):
+                if drive.contains(ns, key):
+                    groups.setdefault(i, []).append((ns, key))
         return sum(self.drives[i].delete_many(group) for i, group in groups.items())
 
     def compact(self, max_bytes: int = 64 << 20, sparse: float = 0.5) -> int:
@@ -391,11 +408,12 @@ def open_nvme(spec: str | os.PathLike, capacity_bytes: int, io_threads: int = 8,
 
 def scan_drives(spec: str | os.PathLike, capacity_bytes: int, shards: int, direct: str = "auto") -> tuple[list, int]:
     """``scan_shards`` over every drive: the blocks they hold and the damaged records dropped."""
-    records: list = []
+    records: dict = {}
     removed = 0
     dirs = drive_dirs(spec) or [str(spec)]
     for d, budget in zip(dirs, split_budget(dirs, capacity_bytes)):
         found, bad = scan_shards(d, budget, shards, direct)
-        records += found
+        for record in found:  # a block on two drives (a crash before its older copy went) counts once
+            records.setdefault((record.namespace, record.key), record)
         removed += bad
-    return records, removed
+    return list(records.values()), removed

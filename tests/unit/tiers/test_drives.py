@@ -74,6 +74,27 @@ def test_a_full_drive_sends_its_blocks_to_the_next_one(tmp_path):
     drives.close()
 
 
+def test_a_block_rewritten_on_its_own_drive_leaves_no_copy_behind(tmp_path, monkeypatch):
+    from kvtier.errors import StorageError
+
+    drives = DriveSet([tmp_path / "a", tmp_path / "b"], 64 << 20, io_threads=2)
+    written = blocks(40)
+    working = drives.drives[0].write_batch
+    monkeypatch.setattr(drives.drives[0], "write_batch",  # drive 0 fails for a while (a full disk, say)
+                        lambda batch, fp: [StorageError("NVMe tier: drive 0 is failing")] * len(batch))
+    assert not any(isinstance(o, BaseException) for o in drives.write_batch(written, FP))
+    spilled = [b for b in written if drives.order(b[1])[0] == 0]
+    assert spilled and all(drives.drives[1].contains(NS, b[1]) for b in spilled)  # they went to drive 1
+    monkeypatch.setattr(drives.drives[0], "write_batch", working)  # drive 0 works again
+    again = spilled[0]
+    assert not isinstance(drives.write_batch([again], FP)[0], BaseException)
+    assert drives.drives[0].contains(NS, again[1]) and not drives.drives[1].contains(NS, again[1])
+    drives.delete_many([(NS, again[1])])
+    assert not drives.contains(NS, again[1])  # gone from every drive: nothing older to read back
+    assert read_all(drives, spilled[1:]) == [True] * (len(spilled) - 1)
+    drives.close()
+
+
 def files_of(root: Path) -> dict[str, bytes]:
     found = {p.name: p.read_bytes() for p in (root / "segments").iterdir()}
     return found | {"index.kvj": (root / "index.kvj").read_bytes()}
