@@ -87,6 +87,7 @@ class Journal:
         whole = len(body) // ENTRY_BYTES
         self.damaged = 0
         size, codecs = _ENTRY.size, {}  # a few distinct codec names: decoded once each
+        namespaces: dict[bytes, bytes] = {}  # ... and a few namespaces: one bytes object each, not one a block
         digest = xxhash.xxh3_64_intdigest
         # one C loop unpacks every entry (a million entries: the start-up's largest cost)
         for i, (op, key_len, _res, seg, off, nbytes, ns, codec, key, stored) in enumerate(
@@ -95,7 +96,7 @@ class Journal:
             if digest(body[start : start + size]) != stored:
                 self.damaged += 1
                 continue
-            name = (ns, key[:key_len])
+            name = (namespaces.setdefault(ns, ns), key[:key_len])
             if op == _PUT and key_len <= 64:
                 text = codecs.get(codec)
                 if text is None:
