@@ -22,9 +22,8 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import xxhash
 
@@ -40,11 +39,13 @@ _ENTRY = struct.Struct("<BBHIQQ16s32s64s")  # op key_len reserved seg offset nby
 ENTRY_BYTES = _ENTRY.size + 8
 _ENTRY_SEALED = struct.Struct(_ENTRY.format + "Q")  # an entry and its checksum
 _PUT, _DROP = 1, 2
+_new_extent = tuple.__new__  # Extent's own constructor without its argument handling (the replay's hot loop)
 
 
-@dataclass(frozen=True, slots=True)
-class Extent:
-    """Where one block's record lies: segment id, byte offset, payload bytes, codec."""
+class Extent(NamedTuple):
+    """Where one block's record lies: segment id, byte offset, payload bytes, codec. A tuple: a
+    million of them are made at start-up, and a tuple is made in a quarter of a frozen dataclass's
+    time."""
 
     segment: int
     offset: int
@@ -101,7 +102,7 @@ class Journal:
                 text = codecs.get(codec)
                 if text is None:
                     text = codecs[codec] = codec.rstrip(b"\0").decode(errors="replace")
-                live[name] = Extent(seg, off, nbytes, text)
+                live[name] = _new_extent(Extent, (seg, off, nbytes, text))
             elif op == _DROP:
                 live.pop(name, None)
             else:
