@@ -33,24 +33,31 @@ class StubServer:
                     stub.in_flight += 1
                     stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
                     stub.seen.append({**body, "session_header": self.headers.get("X-Session-ID")})
+                # a request leaves the count before its last bytes go out: the client may start its
+                # next request as soon as it has them, before this thread gets to run again (the
+                # count can then only be low, never high: it still catches a replayer over C)
+                if self.headers.get("X-Session-ID") == fail_session:
+                    self._leave()
+                    self.send_response(500)
+                    self.send_header("Content-Length", "4")
+                    self.end_headers()
+                    self.wfile.write(b"boom")
+                    return
                 try:
-                    if self.headers.get("X-Session-ID") == fail_session:
-                        self.send_response(500)
-                        self.send_header("Content-Length", "4")
-                        self.end_headers()
-                        self.wfile.write(b"boom")
-                        return
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
                     self.send_header("Transfer-Encoding", "chunked")
                     self.end_headers()
                     for i in range(body["max_tokens"]):
                         self._chunk(f"data: {json.dumps({'choices': [{'text': f't{i}'}]})}\n\n".encode())
-                    self._chunk(b"data: [DONE]\n\n")
-                    self._chunk(b"")
                 finally:
-                    with stub.lock:
-                        stub.in_flight -= 1
+                    self._leave()
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+
+            def _leave(self) -> None:
+                with stub.lock:
+                    stub.in_flight -= 1
 
             def _chunk(self, data: bytes) -> None:
                 self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
