@@ -144,7 +144,9 @@ def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, flo
         gpus = [g for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
     links = gpu_links(gpus)
     report: dict[str, Any] = {"gpu": links[0], "gpus": links}
-    drives = [Path(d) for d in str(nvme_dir or "").split(os.pathsep) if d]  # one --nvme-dir per drive
+    from kvtier.tiers.nvme.drives import drive_dirs
+
+    drives = [Path(d) for d in drive_dirs(nvme_dir)]  # one --nvme-dir per drive
     if drives:
         report["drives"] = drive_reports(drives, quick)
         report["nvme"] = report["drives"][0]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvtier.config import Settings
 from kvtier.errors import ConfigError, UsageError
+from kvtier.tiers.nvme.drives import nearest_existing
 from kvtier.units import human_bytes
 
 RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
@@ -218,13 +219,6 @@ def _ask_hub(model: str, revision: str | None, at: str) -> None:
                               "or pass a local directory") from None
 
 
-def _nearest_existing(path: Path) -> Path:
-    probe = path
-    while not os.path.lexists(probe) and probe.parent != probe:
-        probe = probe.parent
-    return probe
-
-
 def _unescape_mount(field: str) -> str:
     # /proc/mounts writes space, tab, newline and backslash in mount points as octal escapes.
     for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
@@ -234,7 +228,7 @@ def _unescape_mount(field: str) -> str:
 
 def filesystem_type(path: str | os.PathLike[str], mounts_file: str = "/proc/mounts") -> str | None:
     """The fstype of the mount holding ``path`` (longest matching mount point; later mounts win)."""
-    real = os.path.realpath(_nearest_existing(Path(path).expanduser().absolute()))
+    real = os.path.realpath(nearest_existing(Path(path).expanduser().absolute()))
     os.statvfs(real)  # raises if the filesystem cannot be reached at all
     best, best_len = None, -1
     try:
@@ -280,7 +274,7 @@ def _committed_elsewhere(nvme_dir: Path, running: Sequence) -> int:
     """NVMe budget other live instances have on the same filesystem and have not filled yet: room
     this server must not count on."""
     try:
-        device = os.stat(_nearest_existing(nvme_dir.absolute())).st_dev
+        device = os.stat(nearest_existing(nvme_dir.absolute())).st_dev
     except OSError:
         return 0
     from kvtier.tiers.nvme.drives import drive_dirs, split_budget
@@ -292,7 +286,7 @@ def _committed_elsewhere(nvme_dir: Path, running: Sequence) -> int:
         drives = drive_dirs(other.nvme_dir)  # its drives, each with its share of its budget
         for drive, budget in zip(drives, split_budget(drives, int(other.nvme_bytes))):
             try:
-                if os.stat(_nearest_existing(Path(drive))).st_dev != device:
+                if os.stat(nearest_existing(Path(drive))).st_dev != device:
                     continue
             except OSError:
                 continue
@@ -319,7 +313,7 @@ def _check_nvme_dir(settings: Settings, create: bool, running: Sequence = ()) ->
 def _check_drive(raw: str, budget: int, create: bool, running: Sequence, several: bool) -> list[str]:
     warnings: list[str] = []
     nvme_dir = Path(raw).expanduser()
-    where = _nearest_existing(nvme_dir.absolute())
+    where = nearest_existing(nvme_dir.absolute())
     unusable = "pass --nvme-dir a writable directory on a local SSD (or set KVTIER_NVME_DIR)"
     if os.path.lexists(nvme_dir) and not nvme_dir.is_dir():
         raise ConfigError(f"NVMe dir {raw} exists but is not a directory", hint=unusable)

@@ -64,12 +64,17 @@ def primary_dir(spec: str | os.PathLike | None) -> str | None:
     return dirs[0] if dirs else None
 
 
-def _fs_bytes(path: Path) -> int:
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its closest ancestor that exists (a drive's directory may not be made yet)."""
     probe = path
-    while not probe.exists() and probe != probe.parent:
+    while not os.path.lexists(probe) and probe.parent != probe:
         probe = probe.parent
+    return probe
+
+
+def _fs_bytes(path: Path) -> int:
     try:
-        st = os.statvfs(probe)
+        st = os.statvfs(nearest_existing(path))
     except OSError:
         return 0
     return st.f_blocks * st.f_frsize
@@ -91,11 +96,8 @@ def split_budget(dirs: Sequence[str | os.PathLike], total: int) -> list[int]:
 
 
 def _device(path: Path) -> int:
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
     try:
-        return os.stat(probe).st_dev
+        return os.stat(nearest_existing(path)).st_dev
     except OSError:
         return -1
 
@@ -408,9 +410,11 @@ def open_nvme(spec: str | os.PathLike, capacity_bytes: int, io_threads: int = 8,
 
 def scan_drives(spec: str | os.PathLike, capacity_bytes: int, shards: int, direct: str = "auto") -> tuple[list, int]:
     """``scan_shards`` over every drive: the blocks they hold and the damaged records dropped."""
+    dirs = drive_dirs(spec) or [str(spec)]
+    if len(dirs) == 1:  # one drive: nothing to merge (no second map of every block at start-up)
+        return scan_shards(dirs[0], capacity_bytes, shards, direct)
     records: dict = {}
     removed = 0
-    dirs = drive_dirs(spec) or [str(spec)]
     for d, budget in zip(dirs, split_budget(dirs, capacity_bytes)):
         found, bad = scan_shards(d, budget, shards, direct)
         for record in found:  # a block on two drives (a crash before its older copy went) counts once
