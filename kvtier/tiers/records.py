@@ -224,17 +224,11 @@ class StorageViews:
             found = self._whole[id(root)] = (storage.data_ptr(), whole, root)  # the root kept alive: ids stay unique
         return found[0], found[1]
 
-    def data(self, t) -> memoryview:
-        """The logical bytes of a tensor (without a copy when it is contiguous) or of a buffer."""
-        if hasattr(t, "untyped_storage") and t.is_contiguous():
-            base, whole = self._storage(t)
-            offset = t.data_ptr() - base
-            return whole[offset : offset + t.nbytes]
-        return bytes_view(t)
-
     def both(self, t, padded: int | None) -> tuple[memoryview, memoryview | None]:
-        """``data(t)`` and, when ``padded`` is given, ``window(t, padded)``: one look at the tensor
-        (a batch of thousands of small blocks pays each torch attribute once, not twice)."""
+        """The logical bytes of a tensor (without a copy when it is contiguous) or of a buffer, and,
+        when ``padded`` is given, ``padded`` bytes from a contiguous tensor's page-aligned start (into
+        its storage's bytes after it; None when it is not such a tensor or its storage ends before).
+        One look at the tensor: a batch of thousands of small blocks pays each attribute once."""
         if not hasattr(t, "untyped_storage") or not t.is_contiguous():
             return bytes_view(t), None
         base, whole = self._storage(t)
@@ -244,12 +238,3 @@ class StorageViews:
         if padded is None or ptr % PAGE or offset + padded > len(whole):
             return data, None
         return data, whole[offset : offset + padded]
-
-    def window(self, t, padded: int) -> memoryview | None:
-        """``padded`` bytes from a contiguous tensor's page-aligned start (into its storage's bytes
-        after it), or None when it is not such a tensor or its storage ends before."""
-        if not hasattr(t, "untyped_storage") or t.data_ptr() % PAGE or not t.is_contiguous():
-            return None
-        base, whole = self._storage(t)
-        offset = t.data_ptr() - base
-        return whole[offset : offset + padded] if offset + padded <= len(whole) else None
