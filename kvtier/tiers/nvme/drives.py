@@ -412,7 +412,9 @@ def scan_drives(spec: str | os.PathLike, capacity_bytes: int, shards: int, direc
     """``scan_shards`` over every drive: the blocks they hold and the damaged records dropped."""
     dirs = drive_dirs(spec) or [str(spec)]
     if len(dirs) == 1:  # one drive: nothing to merge (no second map of every block at start-up)
-        return scan_shards(dirs[0], capacity_bytes, shards, direct)
+        found = scan_shards(dirs[0], capacity_bytes, shards, direct)
+        _trim_heap()
+        return found
     records: dict = {}
     removed = 0
     for d, budget in zip(dirs, split_budget(dirs, capacity_bytes)):
