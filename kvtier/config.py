@@ -6,6 +6,11 @@ variable > ``kvtier.toml`` > built-in default.  :func:`load_settings` returns th
 together with a field -> source map (``"flag"``, ``"env KVTIER_DRAM"``, ``"file <path>"``,
 ``"default"``) so that ``kvtier config`` can show, and errors can name, where a value came
 from.  All validation lives in :func:`validate_settings`.  Stdlib only; never imports torch.
+
+The two budgets (``dram``, ``nvme``) may be ``auto``, and are when nothing sets them: ``kvtier
+serve`` then sizes them to the box at start (``kvtier.launch.preflight.size_budgets``), because no
+fixed default fits every disk and every number of servers on it.  Their field then holds the
+built-in default, which is the cap of the automatic budget, and :func:`auto_budgets` names them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ __all__ = [
     "POLICIES",
     "DIRECT_IO_MODES",
     "write_behind_seconds",
+    "AUTO",
+    "auto_budgets",
 ]
 
 ENV_PREFIX = "KVTIER_"
@@ -45,6 +52,8 @@ POLICIES = ("lru", "arc")
 DIRECT_IO_MODES = ("auto", "on", "off")
 GiB = 2**30
 SIZE_HINT = "use a size such as 8GiB or 512MiB"
+AUTO = "auto"  # a budget kvtier serve sizes to the box (the default of both budgets)
+_AUTO_SOURCE = " (auto)"  # suffix of the source of a budget set to "auto" explicitly
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?|b)?$", re.IGNORECASE)
@@ -66,6 +75,8 @@ def default_cache_dir(env: Mapping[str, str] | None = None) -> str:
 class Settings:
     """Every kvtier knob, already parsed to its final type."""
 
+    # The budgets' defaults are the caps of kvtier serve's automatic budgets (and what a connector
+    # configured by hand gets): unset, or "auto", kvtier serve sizes them to the box, never above these.
     dram_bytes: int = 4 * GiB
     nvme_dir: str = field(default_factory=lambda: os.path.join(default_cache_dir(), "nvme"))
     nvme_bytes: int = 64 * GiB
@@ -106,6 +117,17 @@ def write_behind_seconds(text: str | float | int | None) -> float | None:
     if not math.isfinite(seconds) or seconds < 0:
         raise ConfigError(f"invalid write_behind {text!r}: must be 0 or more seconds", hint="e.g. 10, or off")
     return seconds
+
+
+def auto_budgets(sources: Mapping[str, str]) -> frozenset[str]:
+    """The budget fields (``dram_bytes``, ``nvme_bytes``) that are automatic: set nowhere, or set to
+    ``auto`` (by a flag, ``KVTIER_DRAM=auto`` or ``nvme = "auto"`` in kvtier.toml)."""
+    return frozenset(name for name in _SIZE_FIELDS
+                     if sources.get(name, "default") == "default" or sources[name].endswith(_AUTO_SOURCE))
+
+
+def _is_auto(value: object) -> bool:
+    return isinstance(value, str) and value.strip().lower() == AUTO
 
 
 def parse_size(text: str | int | float) -> int:
@@ -152,7 +174,8 @@ def _coerce(name: str, value: object, source: str) -> object:
             return os.path.expanduser(text)
         return text.lower() if name in _ENUMS else text
     except ConfigError as exc:
-        raise ConfigError(f"invalid {name} {value!r} (from {source}): {exc.message}", exc.hint) from None
+        hint = f"{exc.hint}, or auto (sized to the box at start)" if name in _SIZE_FIELDS else exc.hint
+        raise ConfigError(f"invalid {name} {value!r} (from {source}): {exc.message}", hint) from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(
             f"invalid {name} {value!r} (from {source}): {exc}", hint=f"{name} must be {_KIND_WORDS[kind]}"
@@ -297,6 +320,9 @@ def load_settings(
     layers += [_env_layer(env), _flag_layer(flags or {})]
     for layer in layers:
         for name, (raw, source) in layer.items():
+            if name in _SIZE_FIELDS and _is_auto(raw):  # sized at start; the field keeps the cap
+                values[name], sources[name] = _FIELDS[name].default, source + _AUTO_SOURCE
+                continue
             values[name] = _coerce(name, raw, source)
             sources[name] = source
     settings = Settings(**values)  # type: ignore[arg-type]

@@ -79,6 +79,8 @@ class Instance:
     revision: str | None = None
     admin_tcp: str | None = None
     nvme_dir: str | None = None
+    # its budgets in bytes (automatic ones as sized at start, never "auto"): what the next
+    # `kvtier serve` on the box counts as promised (kvtier.launch.budgets)
     nvme_bytes: int = 0
     dram_bytes: int = 0
     gpus: list[str] | None = None  # CUDA_VISIBLE_DEVICES as given (indexes or UUIDs); None: not set

@@ -1,7 +1,8 @@
 """``kvtier serve``'s checks before vLLM starts: the model (a local directory, or a hub id resolved
-without downloading), the instance name and port, the NVMe directory (its filesystem, free space,
-other servers' claims), DRAM, codecs, the admin socket and the shared store. Each refusal is one
-``UsageError`` / ``ConfigError`` with a hint; what is worth knowing but not fatal comes back as warnings."""
+without downloading), the instance name and port, the budgets (automatic ones sized to the box first,
+``kvtier.launch.budgets``), the NVMe directory (its filesystem, free space, other servers' claims),
+DRAM, codecs, the admin socket and the shared store. Each refusal is one ``UsageError`` /
+``ConfigError`` with a hint; what is worth knowing but not fatal comes back as warnings."""
 from __future__ import annotations
 
 import errno
@@ -17,22 +18,33 @@ from pathlib import Path
 
 from kvtier.config import Settings
 from kvtier.errors import ConfigError, UsageError
+from kvtier.launch.budgets import INSTANCES_SUBDIR, check_dram, committed_elsewhere, size_budgets, stored_bytes
 from kvtier.tiers.nvme.drives import nearest_existing
 from kvtier.units import human_bytes
 
 RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs", "9p", "afs"})
-INSTANCES_SUBDIR = "instances"
 NO_MODEL_HINT = "pass a local model directory (one with config.json) or a Hugging Face id (org/name)"
 
-__all__ = ["ModelSource", "check_admin_socket", "check_shared", "filesystem_type", "instance_store_dir", "preflight",
-           "resolve_model"]
+__all__ = ["INSTANCES_SUBDIR", "Checked", "ModelSource", "check_admin_socket", "check_serve", "check_shared",
+           "filesystem_type", "instance_store_dir", "preflight", "resolve_model"]
 
 
-def preflight(
+@dataclass(frozen=True)
+class Checked:
+    """What :func:`check_serve` found: the settings to launch with (budgets in bytes, automatic
+    ones sized), the line saying how each budget was chosen, and warnings (nothing fatal)."""
+
+    settings: Settings
+    budgets: str
+    warnings: list[str]
+
+
+def check_serve(
     settings: Settings,
     model: str | None,
     *,
+    sources: Mapping[str, str] | None = None,
     host: str = "127.0.0.1",
     port: int | None = 8000,
     create_dirs: bool = True,
@@ -41,12 +53,14 @@ def preflight(
     admin_socket: str | None = None,
     revision: str | None = None,
     instance: str | None = None,
-) -> list[str]:
-    """Refuse (UsageError / ConfigError, each with a hint) what would make vLLM fail later.
+) -> Checked:
+    """Size the automatic budgets, then refuse (UsageError / ConfigError, each with a hint) what
+    would make vLLM fail later.
 
-    ``create_dirs=False`` (dry runs) checks that the NVMe dir *could* be created without creating
-    it.  ``port=None`` skips the port check.  ``instance``: this server's name, refused when a live
-    instance has it.  Returns warnings worth printing (nothing fatal).
+    ``sources``: ``load_settings``'s field -> source map; the budgets it marks automatic are sized
+    here (without it every budget is taken as given).  ``create_dirs=False`` (dry runs) checks that
+    the NVMe dir *could* be created without creating it.  ``port=None`` skips the port check.
+    ``instance``: this server's name, refused when a live instance has it.
     """
     from kvtier.control.instances import list_instances
 
@@ -57,14 +71,20 @@ def preflight(
     _check_codecs(settings, kv_cache_dtype)
     if model is not None:
         resolve_model(model, revision, extra_args)
-    warnings += _check_nvme_dir(settings, create_dirs, running)
-    _check_dram(settings)
+    sized = size_budgets(settings, sources, running)
+    warnings += _check_nvme_dir(sized.settings, create_dirs, running)
+    warnings += check_dram(sized.settings, running)
     if port is not None:
         _check_port(host, port)
     if admin_socket is not None:
         check_admin_socket(admin_socket)
-    warnings += check_shared(settings)
-    return warnings
+    warnings += check_shared(sized.settings)
+    return Checked(sized.settings, sized.line, warnings)
+
+
+def preflight(settings: Settings, model: str | None, **checks) -> list[str]:
+    """:func:`check_serve` for settings whose budgets are given (sizes, not ``auto``): its warnings."""
+    return check_serve(settings, model, **checks).warnings
 
 
 def check_shared(settings: Settings) -> list[str]:
@@ -247,51 +267,11 @@ def filesystem_type(path: str | os.PathLike[str], mounts_file: str = "/proc/moun
     return best
 
 
-def _stored_bytes(nvme_dir: Path) -> int:
-    """Bytes kvtier's segments (and old-layout block files) already take on disk under ``nvme_dir``,
-    every rank's included (reusable by the new budget)."""
-    total = 0
-    for root, dirs, files in os.walk(nvme_dir):
-        if root == str(nvme_dir):  # named instances' stores are theirs, not this one's
-            dirs[:] = [d for d in dirs if d != INSTANCES_SUBDIR]
-        for name in files:
-            if name.endswith((".kvseg", ".kvb")):
-                try:
-                    total += os.stat(os.path.join(root, name)).st_blocks * 512
-                except OSError:  # removed meanwhile: nothing to count
-                    continue
-    return total
-
-
 def instance_store_dir(nvme_dir: str, name: str | None) -> str:
     """Where an instance keeps its cold tier: a named instance (``--instance NAME``) in
     ``NVME_DIR/instances/NAME`` -- so instances share one NVMe directory, each with its own blocks,
     journal, catalog, lock and budget -- and an unnamed one in ``NVME_DIR`` itself, as before."""
     return str(Path(nvme_dir) / INSTANCES_SUBDIR / name) if name else str(nvme_dir)
-
-
-def _committed_elsewhere(nvme_dir: Path, running: Sequence) -> int:
-    """NVMe budget other live instances have on the same filesystem and have not filled yet: room
-    this server must not count on."""
-    try:
-        device = os.stat(nearest_existing(nvme_dir.absolute())).st_dev
-    except OSError:
-        return 0
-    from kvtier.tiers.nvme.drives import drive_dirs, split_budget
-
-    total = 0
-    for other in running:
-        if not other.nvme_dir or not other.nvme_bytes:
-            continue
-        drives = drive_dirs(other.nvme_dir)  # its drives, each with its share of its budget
-        for drive, budget in zip(drives, split_budget(drives, int(other.nvme_bytes))):
-            try:
-                if os.stat(nearest_existing(Path(drive))).st_dev != device:
-                    continue
-            except OSError:
-                continue
-            total += max(0, budget - _stored_bytes(Path(drive)))
-    return total
 
 
 def _check_nvme_dir(settings: Settings, create: bool, running: Sequence = ()) -> list[str]:
@@ -362,8 +342,8 @@ def _check_drive(raw: str, budget: int, create: bool, running: Sequence, several
             raise ConfigError(f"cannot create NVMe dir {raw}: {where} is not writable", hint=unusable)
 
     usage = shutil.disk_usage(nvme_dir if nvme_dir.is_dir() else where)
-    stored = _stored_bytes(nvme_dir) if nvme_dir.is_dir() else 0
-    others = _committed_elsewhere(nvme_dir, running)
+    stored = stored_bytes(nvme_dir) if nvme_dir.is_dir() else 0
+    others = committed_elsewhere(nvme_dir, running)
     room = max(0, usage.free - others) + stored
     if budget > room:
         promised = f", less {human_bytes(others)} other kvtier instances may still fill" if others else ""
@@ -371,20 +351,9 @@ def _check_drive(raw: str, budget: int, create: bool, running: Sequence, several
         raise ConfigError(
             f"nvme budget {human_bytes(budget)}{share} is larger than the disk space kvtier can use "
             f"in {raw}: {human_bytes(usage.free)} free + {human_bytes(stored)} already stored by kvtier{promised}",
-            hint=f"lower --nvme (at most {human_bytes(room)} fits there), free disk space, "
-                 "or pass --nvme-dir on a bigger disk")
+            hint=f"lower --nvme (at most {human_bytes(room)} fits there) or leave it out (sized to the disk), "
+                 "free disk space, or pass --nvme-dir on a bigger disk")
     return warnings
-
-
-def _check_dram(settings: Settings) -> None:
-    import psutil
-
-    available = psutil.virtual_memory().available
-    if settings.dram_bytes > available:
-        raise ConfigError(
-            f"dram budget {human_bytes(settings.dram_bytes)} is more than this machine's available RAM "
-            f"({human_bytes(available)})",
-            hint="lower --dram (leave room for vLLM and the model weights), e.g. --dram 4GiB")
 
 
 def _check_port(host: str, port: int) -> None:

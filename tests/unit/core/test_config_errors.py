@@ -123,6 +123,37 @@ def test_toml_alias_and_canonical_together_is_an_error(tmp_path: Path) -> None:
     assert info.value.hint
 
 
+# --- automatic budgets ------------------------------------------------------------------------
+
+
+def test_budgets_left_unset_or_set_to_auto_are_automatic(isolated: dict[str, str], tmp_path: Path) -> None:
+    from kvtier.config import auto_budgets
+
+    settings, sources = load_settings(env=isolated)
+    assert auto_budgets(sources) == {"dram_bytes", "nvme_bytes"}
+    assert (settings.dram_bytes, settings.nvme_bytes) == (4 * GiB, 64 * GiB)  # the caps, until sized
+    settings, sources = load_settings(flags={"nvme": "AUTO", "dram": "2GiB"}, env=isolated)
+    assert auto_budgets(sources) == {"nvme_bytes"} and sources["nvme_bytes"] == "flag (auto)"
+    assert settings.nvme_bytes == 64 * GiB and settings.dram_bytes == 2 * GiB
+    env = {**isolated, "KVTIER_DRAM": "auto"}
+    path = write_toml(tmp_path, 'nvme = "8GiB"\ndram = "1GiB"\n')
+    settings, sources = load_settings(env=env, toml_path=path)
+    assert auto_budgets(sources) == {"dram_bytes"} and sources["dram_bytes"] == "env KVTIER_DRAM (auto)"
+    assert settings.nvme_bytes == 8 * GiB
+    # a flag beats an "auto" below it, and "auto" in the file is automatic too
+    path = write_toml(tmp_path, 'nvme = "auto"\n')
+    _settings, sources = load_settings(env=isolated, toml_path=path)
+    assert auto_budgets(sources) == {"dram_bytes", "nvme_bytes"}
+    _settings, sources = load_settings(flags={"nvme": "5GiB"}, env=isolated, toml_path=path)
+    assert auto_budgets(sources) == {"dram_bytes"}
+
+
+def test_a_bad_budget_says_auto_is_allowed(isolated: dict[str, str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(flags={"nvme": "autumn"}, env=isolated)
+    assert "nvme_bytes" in info.value.message and "or auto" in info.value.hint
+
+
 # --- config file discovery -------------------------------------------------------------------
 
 
