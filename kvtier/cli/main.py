@@ -70,6 +70,10 @@ def _root(
 
 
 # ---- serve --------------------------------------------------------------------------------------
+_AUTO_DRAM = "Default auto: a quarter of the RAM available less other instances' budgets, at most 4GiB."
+_AUTO_NVME = "Default auto: half the disk's free space less other instances' budgets, at most 64GiB."
+
+
 @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @handle_errors
 def serve(
@@ -84,10 +88,10 @@ def serve(
                                  "its cold tier in NVME_DIR/instances/NAME, so several share one --nvme-dir."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address the API listens on."),
     port: int = typer.Option(8000, "--port", help="Port the API listens on."),
-    dram: Optional[str] = typer.Option(None, "--dram", help="Warm tier (host DRAM) budget, e.g. 8GiB."),
+    dram: Optional[str] = typer.Option(None, "--dram", help=f"Warm tier (host DRAM) budget, e.g. 8GiB. {_AUTO_DRAM}"),
     nvme_dir: Optional[list[str]] = typer.Option(
         None, "--nvme-dir", help="Cold tier directory (on an SSD); once per drive to use several drives."),
-    nvme: Optional[str] = typer.Option(None, "--nvme", help="Cold tier (NVMe) budget, e.g. 64GiB."),
+    nvme: Optional[str] = typer.Option(None, "--nvme", help=f"Cold tier (NVMe) budget, e.g. 64GiB. {_AUTO_NVME}"),
     policy: Optional[str] = typer.Option(None, "--policy", help="Eviction policy: lru or arc."),
     kv_cache_dtype: Optional[str] = typer.Option(
         None, "--kv-cache-dtype", help="vLLM's KV cache dtype (auto, fp8, ...); passed through."),
@@ -138,12 +142,12 @@ def serve(
     flags = {key: value for key, value in locals().items() if key in _SETTINGS_FLAGS}
     flags["nvme_dir"] = nvme_dir or None  # given once per drive
     model, extra = _model_and_vllm_args(model, ctx.args, demo_size)
-    settings, name = _instance_settings(flags, instance, port)
+    settings, sources, name = _instance_settings(flags, instance, port)
     sock = os.path.abspath(os.path.expanduser(admin_socket)) if admin_socket else srv.admin_socket_path(instance=name)
     token = _admin_tcp_token(admin_tcp, admin_token_file)
-    checks = {"host": host, "port": port, "create_dirs": not dry_run, "kv_cache_dtype": kv_cache_dtype,
-              "admin_socket": sock, "instance": name}
-    source = _checked_model(model, revision, settings, extra, checks)
+    checks = {"sources": sources, "host": host, "port": port, "create_dirs": not dry_run,
+              "kv_cache_dtype": kv_cache_dtype, "admin_socket": sock, "instance": name}
+    source, settings = _checked_model(model, revision, settings, extra, checks)
     plan = srv.launch_plan(source.arg if source else _demo_model_path(demo_size, dry_run), settings, host, port,
                            kv_cache_dtype, extra, admin_socket=sock, token=token, revision=revision, instance=name,
                            admin_tcp=admin_tcp.replace("[::1]", "::1") if admin_tcp else None,
@@ -175,35 +179,40 @@ def _model_and_vllm_args(model: Optional[str], args: list[str], demo_size: str) 
 
 
 def _instance_settings(flags: dict, instance: Optional[str], port: int):
-    """The settings of this instance (a named one keeps its cold tier in NVME_DIR/instances/NAME) and its name."""
+    """The settings of this instance (a named one keeps its cold tier in NVME_DIR/instances/NAME), where
+    each came from (automatic budgets are sized by the checks) and its name."""
     from dataclasses import replace
 
     from kvtier.config import load_settings
     from kvtier.control.instances import valid_name
     from kvtier.launch.serve import instance_store_dir
 
-    settings, _sources = load_settings(flags=flags)
+    settings, sources = load_settings(flags=flags)
     name = valid_name(instance) if instance is not None else str(port)
     if instance is not None:
         from kvtier.tiers.nvme.drives import drive_dirs, join_drives
 
         settings = replace(settings, nvme_dir=join_drives(instance_store_dir(d, name)
                                                           for d in drive_dirs(settings.nvme_dir)))
-    return settings, name
+    return settings, sources, name
 
 
 def _checked_model(model: Optional[str], revision: Optional[str], settings, extra: list[str], checks: dict):
-    """Refuse, before vLLM spends ~20 s starting, what would fail later (``preflight``, printing its
-    warnings); then MODEL resolved (a directory or a hub id in the local cache), None for the demo model."""
+    """Size the automatic budgets and refuse, before vLLM spends ~20 s starting, what would fail later
+    (``check_serve``; its warnings and the budgets line are printed); then MODEL resolved (a directory
+    or a hub id in the local cache; None for the demo model) and the settings to launch with."""
     from kvtier.errors import UsageError
     from kvtier.launch import serve as srv
 
     if revision is not None and model is None:
         raise UsageError("--revision needs a hub MODEL",
                          hint="e.g. kvtier serve Qwen/Qwen2.5-0.5B-Instruct --revision main")
-    for warning in srv.preflight(settings, None, extra_args=extra, **checks):
+    checked = srv.check_serve(settings, None, extra_args=extra, **checks)
+    for warning in checked.warnings:
         typer.echo(f"warning: {warning}", err=True)
-    return srv.resolve_model(model, revision, extra) if model is not None else None
+    source = srv.resolve_model(model, revision, extra) if model is not None else None
+    typer.echo(f"kvtier: {checked.budgets}")
+    return source, checked.settings
 
 
 def _admin_tcp_token(admin_tcp: Optional[str], admin_token_file: Optional[str]) -> Optional[str]:
@@ -422,14 +431,21 @@ def doctor(
     quick: bool = typer.Option(False, "--quick", help="Smaller bandwidth measurements."),
     shared: Optional[str] = typer.Option(None, "--shared", help="Also measure this shared store (default: the "
                                                                 "configured one, if any)."),
+    vllm_source: Optional[str] = typer.Option(
+        None, "--vllm-source", metavar="DIR", help="Only check kvtier's connector against the vLLM sources in DIR "
+        "(a vllm package directory, e.g. an unpacked wheel's; 'installed': the installed one). Exit 1 on a mismatch."),
 ) -> None:
-    """Links, disks and the load-or-recompute break-even on this box, with plain warnings."""
+    """Links, disks, the load-or-recompute break-even and the vLLM on this box, with plain warnings."""
+    from kvtier.cli.doctor import run_vllm_check, vllm_section
     from kvtier.config import load_settings
     from kvtier.control.client import connect
     from kvtier.diagnose.doctor import run_doctor
     from kvtier.errors import KvtierError
     from kvtier.plan.costmodel import parse_link_caps
 
+    if vllm_source is not None:
+        run_vllm_check(vllm_source, json_out)
+        return
     settings, _ = load_settings()
     caps = parse_link_caps(link_gbps)
     server = None
@@ -449,7 +465,7 @@ def doctor(
     drives = os.pathsep.join(nvme_dir) if nvme_dir else settings.nvme_dir
     report = run_doctor(drives, model, caps, server, quick=quick, gpus=gpus,
                         shared=shared or settings.shared or None, shared_auth_file=settings.shared_auth_file or None,
-                        codecs={"warm": settings.warm_codec, "cold": settings.cold_codec})
+                        codecs={"warm": settings.warm_codec, "cold": settings.cold_codec}, vllm=vllm_section())
     if json_out:
         emit_json(report)
         return

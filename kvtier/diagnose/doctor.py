@@ -2,8 +2,9 @@
 
 Box facts (GPU and PCIe link from NVML, the NVMe directory's filesystem, free space and O_DIRECT
 support, the memlock limit for pinned memory), measured bandwidths, the model's KV bytes per
-token, and, from a running server's cost model, the break-even prompt length per tier. Warnings
-are plain sentences with the numbers that back them.
+token, and, from a running server's cost model, the break-even prompt length per tier; the vLLM
+installed (the CLI passes ``kvtier.plugins.vllm.compat``'s view of it and the API check's verdict:
+the core never imports the connector). Warnings are plain sentences with the numbers that back them.
 """
 from __future__ import annotations
 
@@ -133,11 +134,13 @@ def _drive_warnings(drives: list[dict[str, Any]]) -> list[str]:
 
 def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, float], server: dict | None,
                quick: bool = False, gpus: list[str] | None = None, shared: str | None = None,
-               shared_auth_file: str | None = None, codecs: dict[str, str] | None = None) -> dict[str, Any]:
+               shared_auth_file: str | None = None, codecs: dict[str, str] | None = None,
+               vllm: dict[str, Any] | None = None) -> dict[str, Any]:
     """``gpus``: the GPUs to report, as ``CUDA_VISIBLE_DEVICES`` names them (default: that variable,
     else every GPU); the host-to-device rate is measured on the first of them. ``codecs``: the
     configured codec per tier ({"warm": spec, "cold": spec}), checked against the needle figures
-    when no server answers (a server's own warnings say it for its codecs and context length)."""
+    when no server answers (a server's own warnings say it for its codecs and context length).
+    ``vllm``: the installed vLLM (version, tested, range, status, note, api_check), reported as is."""
     from kvtier.plan.costmodel import GB, measure_rates
 
     if gpus is None and os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
@@ -198,8 +201,26 @@ def run_doctor(nvme_dir: str | None, model_path: str | None, caps: dict[str, flo
         warnings.append("the shared store has a memory cap and maxmemory-policy noeviction: once full it refuses "
                         "new blocks instead of evicting old ones; allkeys-lru suits a cache")
     warnings += recall_warnings(server, codecs, kv.get("max_context"))
+    if vllm is not None:
+        report["vllm"] = vllm
+        warnings += vllm_warnings(vllm)
     report["warnings"] = warnings
     return report
+
+
+def vllm_warnings(vllm: dict[str, Any]) -> list[str]:
+    """A vLLM kvtier was not tested with (older ones are refused at start, newer ones warned), and
+    a connector API that does not fit the installed sources."""
+    out = []
+    if vllm.get("status") in ("too-old", "newer", "untested", "unknown"):
+        out.append(vllm["note"])
+    api = vllm.get("api_check") or {}
+    if api and not api.get("ok"):
+        problems = api["problems"]
+        out.append(f"kvtier's connector does not fit the installed vLLM's sources: {len(problems)} "
+                   f"mismatch{'es' * (len(problems) > 1)}, first {problems[0]} (kvtier doctor --vllm-source "
+                   "installed lists them)")
+    return out
 
 
 def recall_warnings(server: dict | None, codecs: dict[str, str] | None, max_context: int | None) -> list[str]:

@@ -13,7 +13,7 @@ CONNECTOR_MODULE = "kvtier.plugins.vllm.connector"
 
 
 def register() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from kvtier.plugins.vllm.compat import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:  # register_connector raises on duplicates
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)

