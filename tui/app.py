@@ -210,6 +210,7 @@ class TopApp(App):
     def _cells(self, row: SessionRow) -> tuple:
         codec = row.codec_dram if row.codec_dram == row.codec_nvme else f"{row.codec_dram}/{row.codec_nvme}"
         return (self._key(row), Text(self._state(row), style=STATE_STYLE.get(row.state, "")), f"{row.tokens:,}",
+                human_bytes(row.bytes_hbm) if row.bytes_hbm else "-",
                 human_bytes(row.bytes_dram) if row.bytes_dram else "-",
                 human_bytes(row.bytes_nvme) if row.bytes_nvme else "-", codec, idle_text(self._idle(row)),
                 self._next_turn(row), f"#{row.job}" if row.job else "")
@@ -475,6 +476,8 @@ class TopApp(App):
                                                 else "") + ")" if row.pinned else ""
         lines = [f"{'state':<12}{row.state}{pinned}",
                  f"{'tokens':<12}{row.tokens:,} in {row.blocks:,} blocks",
+                 f"{'HBM':<12}" + (f"{human_bytes(row.bytes_hbm)} in vLLM's prefix cache" if row.bytes_hbm is not None
+                                   else "not known (vLLM publishes no KV cache events)"),
                  f"{'DRAM':<12}{row.blocks_dram:,} blocks, {human_bytes(row.bytes_dram)} ({row.codec_dram})",
                  f"{'NVMe':<12}{row.blocks_nvme:,} blocks, {human_bytes(row.bytes_nvme)} ({row.codec_nvme})",
                  f"{'last use':<12}{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(row.last_use))}"
@@ -483,6 +486,8 @@ class TopApp(App):
                                          f"{row.decision}" if row.restore_s is not None else
                                          "no cost model yet (the engine has not timed enough prefill)"),
                  f"{'job':<12}{'#' + str(row.job) if row.job else 'none in flight'}"]
+        if row.stored_note:
+            lines.append(f"{'stored':<12}{row.stored_note}")
         if row.retain_expires_at is not None:
             lines.append(f"{'retained':<12}{human_duration(self._left(row.retain_expires_at))} more, priority "
                          f"{row.retain_priority} (a request's hint: its blocks leave their tier last)")

@@ -222,7 +222,8 @@ def _session(row: dict) -> SessionRow:
                       float(row.get("last_use", 0.0)), row.get("job"),
                       row.get("codec_dram", "none"), row.get("codec_nvme", "none"), row.get("decision"),
                       row.get("restore_s"), row.get("recompute_s"), pin_expires_at=row.get("pin_expires_at"),
-                      retain_expires_at=row.get("retain_expires_at"), retain_priority=row.get("retain_priority"))
+                      retain_expires_at=row.get("retain_expires_at"), retain_priority=row.get("retain_priority"),
+                      bytes_hbm=row.get("bytes_hbm"), stored_note=row.get("stored_note"))
 
 
 def _job(doc: dict) -> JobRow:

@@ -60,6 +60,8 @@ class SessionRow:
     pin_expires_at: float | None = None  # unix time a timed pin ends (None: no pin, or pinned until unpinned)
     retain_expires_at: float | None = None  # unix time a request's retention hint ends (None: none live)
     retain_priority: int | None = None
+    bytes_hbm: int | None = None  # its blocks in vLLM's prefix cache (None: the engine publishes no KV events)
+    stored_note: str | None = None  # why nothing is held in DRAM or on NVMe (None: something is)
 
 
 @dataclass(frozen=True)

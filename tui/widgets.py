@@ -20,7 +20,7 @@ __all__ = ["short_bytes", "human_rate", "idle_text", "spark", "Panel", "Header",
 SPARKS = "▁▂▃▄▅▆▇█"
 SORTS = ("last use", "tokens", "bytes", "session", "state")
 STATE_STYLE = {"hot": "bold red", "warm": "yellow", "cold": "cyan", "pinned": "bold magenta", "gone": "dim"}
-COLUMNS = (("session", "session"), ("state", "state"), ("tokens", "tokens"), ("dram", "DRAM"),
+COLUMNS = (("session", "session"), ("state", "state"), ("tokens", "tokens"), ("hbm", "HBM"), ("dram", "DRAM"),
            ("nvme", "NVMe"), ("codec", "codec"), ("idle", "idle"), ("next", "next turn"), ("job", "job"))
 HELP = """\
  p      pin the selected session (to DRAM or NVMe), or unpin it

@@ -89,6 +89,7 @@ def status(json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     typer.echo(_status_headline(doc))
     print_table("tiers", ["tier", "used", "%", "blocks", "codec", "tokens/GiB"],
                 [_tier_row(tier, doc["tiers"][tier]) for tier in ("hbm", "dram", "nvme")])
+    typer.echo(_hbm_line(doc["tiers"]["hbm"]))
     by_state = ", ".join(f"{n} {state}" for state, n in doc["sessions"].items() if n) or "none"
     typer.echo(f"sessions: {by_state}; jobs in flight: {doc['jobs_in_flight']}")
     for line in _durability_lines(doc):
@@ -104,10 +105,25 @@ def _status_headline(doc: dict) -> str:
     revision = doc.get("revision") or (doc.get("commit") and "")
     if doc.get("commit"):
         revision = f"{revision} ({doc['commit'][:12]})".strip()
-    return (f"instance {doc.get('instance') or '-'}  model {doc.get('model')}"
+    vllm = doc.get("vllm") or {}
+    engine = f"  vLLM {vllm['version']}" + ("" if vllm.get("tested") else f" ({vllm.get('status')})") \
+        if vllm.get("version") else ""
+    return (f"instance {doc.get('instance') or '-'}  model {doc.get('model')}{engine}"
             + (f"  revision {revision}" if revision else "")
             + f"  weights {weights}  KV {doc.get('kv_dtype')}  API {doc.get('api_url') or '-'}  "
               f"up {doc['uptime_s']:.0f}s")
+
+
+def _hbm_line(hbm: dict) -> str:
+    """What the HBM row counts: running requests' blocks, and those vLLM keeps as prefix cache."""
+    running = hbm.get("running_blocks")
+    if running is None:
+        return "HBM: not known"
+    if hbm.get("cached_blocks") is None:
+        return (f"HBM: {running:,} blocks held by running requests (vLLM publishes no KV cache events, so its "
+                f"prefix cache is not counted; kvtier serve turns them on)")
+    return (f"HBM: {running:,} blocks held by running requests, {hbm['reclaimable_blocks']:,} more kept by vLLM's "
+            f"prefix cache (reusable by the next turn, reclaimed first when vLLM needs room)")
 
 
 def _tier_row(tier: str, t: dict) -> tuple:
@@ -178,11 +194,21 @@ def sessions(
         return
     rows = [(s["session_id"], s["state"] + (" (partial)" if s.get("blocks_missing") and s["state"] != "gone"
                                              else ""),
-             f"{s['tokens']:,}", human_bytes(s["bytes_dram"]),
+             f"{s['tokens']:,}", _hbm_text(s), human_bytes(s["bytes_dram"]),
              human_bytes(s["bytes_nvme"]), _pin_text(s), _retain_text(s), _ago(s["last_use"]))
             for s in doc["sessions"]]
     print_table(f"sessions ({len(rows)} of {doc['total']})",
-                ["session", "state", "tokens", "DRAM", "NVMe", "pinned", "retained", "last use"], rows)
+                ["session", "state", "tokens", "HBM", "DRAM", "NVMe", "pinned", "retained", "last use"], rows)
+    notes = [(s["session_id"], s["stored_note"]) for s in doc["sessions"] if s.get("stored_note")]
+    for session_id, note in notes[:5]:  # a session listed with nothing stored says why
+        typer.echo(f"{session_id}: {note}")
+    if len(notes) > 5:
+        typer.echo(f"... and {len(notes) - 5} more with nothing stored (kvtier inspect SESSION says why)")
+
+
+def _hbm_text(s: dict) -> str:
+    """Its blocks in vLLM's prefix cache; ``?`` where vLLM publishes no KV cache events."""
+    return "?" if s.get("bytes_hbm") is None else human_bytes(s["bytes_hbm"]) if s["bytes_hbm"] else "-"
 
 
 def _pin_text(s: dict) -> str:
@@ -240,6 +266,8 @@ def inspect(session: str = typer.Argument(..., help="Session id."),
 
 def _session_rows(doc: dict) -> list[tuple]:
     rows = [("state", doc["state"]), ("tokens", f"{doc['tokens']:,}"), ("blocks", doc["blocks"]),
+            ("HBM", "not known (vLLM publishes no KV cache events)" if doc.get("blocks_hbm") is None else
+             f"{doc['blocks_hbm']} blocks, {human_bytes(doc['bytes_hbm'])} in vLLM's prefix cache"),
             ("DRAM", f"{doc['blocks_dram']} blocks, {human_bytes(doc['bytes_dram'])}, codec {doc['codec_dram']}"),
             ("NVMe", f"{doc['blocks_nvme']} blocks, {human_bytes(doc['bytes_nvme'])}, codec {doc['codec_nvme']}"),
             ("pinned", _pin_text(doc) if doc.get("pinned") else "no"),
@@ -247,6 +275,8 @@ def _session_rows(doc: dict) -> list[tuple]:
              else _retain_text(doc) + " (a request's hint: its blocks leave their tier last)"),
             ("last use", _ago(doc["last_use"])),
             ("job", doc.get("job") or "-")]
+    if doc.get("stored_note"):
+        rows.insert(3, ("stored", doc["stored_note"]))
     if doc.get("restore_s") is not None:
         rows.append(("next turn", f"restore {doc['restore_s'] * 1e3:.0f} ms vs recompute "
                                   f"{doc['recompute_s'] * 1e3:.0f} ms: {doc['decision']}"))

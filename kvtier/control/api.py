@@ -10,6 +10,7 @@ from urllib.parse import unquote
 from kvtier.control.ops import API_VERSION, ApiError, resolve_snapshot_path
 from kvtier.errors import NotFoundError
 from kvtier.plan.index import Tier, validate_session_id
+from kvtier.plan.reasons import stored_note
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.control.ops import Ops
@@ -121,6 +122,7 @@ def _session_view(ops: "Ops", session_id: str) -> dict:
 
 def _decorate(ops: "Ops", info: dict) -> dict:
     info["job"] = ops.busy.get(info["session_id"])
+    info["stored_note"] = _stored_note(ops, info)
     info["codec_dram"], info["codec_nvme"] = ops.manager.warm_codec, ops.manager.cold_codec
     info["restore_s"] = info["recompute_s"] = info["decision"] = None
     cost = ops.cost
@@ -129,6 +131,20 @@ def _decorate(ops: "Ops", info: dict) -> dict:
         split = cost.split_for(0, info["blocks_dram"], info["blocks_dram"] + info["blocks_nvme"], info["tokens"])
         info["restore_s"], info["recompute_s"], info["decision"] = split.all_load_s, split.none_load_s, split.decision
     return info
+
+
+def _stored_note(ops: "Ops", info: dict) -> str | None:
+    """Why nothing of the session is held in DRAM or on NVMe (``reasons.stored_note``)."""
+    if info["blocks_dram"] or info["blocks_nvme"]:
+        return None  # the common row pays nothing more
+    manager = ops.manager
+    last = manager.turns.last(info["session_id"])
+    session = manager.sessions.get(info["session_id"])
+    dropped = manager.drops.find(session.namespace, session.keys[0]) if session is not None and session.keys \
+        else None
+    break_even = ops.cost.break_even_tokens(from_nvme=False) if ops.cost is not None else None
+    return stored_note(info, manager.geometry.block_tokens, last is not None and last.store_skipped, break_even,
+                       dropped)
 
 
 def _session(ops: "Ops", session: str, **_) -> tuple[int, dict]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
 __all__ = ["REASONS", "HIT_REASONS", "DROP_CAUSES", "TurnFacts", "TurnRecord", "TurnLog", "DropLog", "classify",
-           "format_turn", "apply_facts"]
+           "format_turn", "apply_facts", "stored_note"]
 
 REASONS: dict[str, str] = {
     "full_hit": "kvtier loaded every servable token it held; the rest was new",
@@ -335,3 +335,25 @@ def format_turn(turn: dict[str, Any]) -> str:
         parts.append(f"{turn['vllm_cached_tokens']} in vLLM's prefix cache")
     line = " · ".join(parts)
     return f"{line} · recomputed {turn.get('recomputed_tokens', 0)}: [{turn.get('reason')}] {turn.get('detail', '')}"
+
+
+def stored_note(info: dict[str, Any], block_tokens: int, store_skipped: bool, break_even_tokens: int | None,
+                dropped: tuple[str, float] | None) -> str | None:
+    """Why a session listed with a session row (``Views.sessions_overview``) holds nothing in DRAM or
+    on NVMe, in one sentence; None when it holds blocks there. A session is listed from its first
+    request: this says what a reader of ``kvtier sessions`` would otherwise have to guess."""
+    if info["blocks_dram"] or info["blocks_nvme"]:
+        return None
+    tokens = info["prompt_tokens"]
+    if not info["blocks"]:
+        return (f"nothing stored: {tokens} tokens, shorter than one block ({block_tokens} tokens); "
+                f"kvtier stores whole blocks")
+    if store_skipped:
+        under = f" ({break_even_tokens:,} tokens)" if break_even_tokens else ""
+        return (f"not stored: {tokens:,} tokens are under the DRAM break-even{under}, "
+                f"where recomputing them beats loading them")
+    if dropped is not None:
+        return f"dropped {DROP_CAUSES.get(dropped[0], dropped[0])}"
+    if info["state"] in ("hot", "pinned"):
+        return "its blocks are being stored"
+    return "nothing held: its blocks were dropped"

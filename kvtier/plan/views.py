@@ -7,7 +7,7 @@ job book and the telemetry, and changes none of them.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -29,6 +29,9 @@ class Views:
         self.table, self.jobs, self.telemetry = table, jobs, telemetry
         self.fingerprint, self.geometry = fingerprint, fingerprint.geometry
         self._fingerprint_dict: dict[str, Any] | None = None
+        # session -> its blocks in vLLM's prefix cache (HBM), where the engine publishes its KV cache
+        # events (the connector's ``HbmCache.sessions``); None: running requests only (``Session.hot``)
+        self.hbm_blocks: Callable[[], dict[str, int]] | None = None
 
     def session_counts(self, sessions: list[Session]) -> dict[str, np.ndarray]:
         """Per session: blocks and bytes held complete in DRAM and on NVMe (vectorised)."""
@@ -45,7 +48,10 @@ class Views:
             return np.bincount(who, weights=weights, minlength=len(sessions)).astype(np.int64)
 
         shards = self.fingerprint.shards  # bytes are the box's: every rank holds a shard of each block
-        return {"blocks_dram": count(in_dram), "blocks_nvme": count(in_nvme), "blocks_both": count(in_dram & in_nvme),
+        in_hbm = self.hbm_blocks() if self.hbm_blocks is not None else {}
+        blocks_hbm = np.fromiter((in_hbm.get(s.session_id, 0) for s in sessions), np.int64, len(sessions))
+        return {"blocks_hbm": blocks_hbm, "bytes_hbm": blocks_hbm * self.geometry.block_bytes * shards,
+                "blocks_dram": count(in_dram), "blocks_nvme": count(in_nvme), "blocks_both": count(in_dram & in_nvme),
                 "bytes_dram": count(col["dram_nbytes"][idx] * in_dram) * shards,
                 "bytes_nvme": count(col["nvme_nbytes"][idx] * in_nvme) * shards}
 
@@ -54,12 +60,13 @@ class Views:
         ids = list(self.table.sessions) if session_ids is None else session_ids
         sessions = [self.table.sessions[s] for s in ids]
         counts = {name: values.tolist() for name, values in self.session_counts(sessions).items()}
+        hbm = self.hbm_blocks is not None
         now, wall = time.time(), self.table.wall_clock()
         state = self.session_state
         block_tokens = self.geometry.block_tokens
         return [{
             "session_id": session.session_id,
-            "state": state(session, dram, nvme),
+            "state": state(session, dram, nvme, in_hbm),
             # what a next turn can load: the tokens of its full stored blocks, for a session read back
             # from the catalog as for one served here (its last prompt's length is prompt_tokens)
             "tokens": min(session.num_tokens, session.num_blocks * block_tokens),
@@ -70,13 +77,16 @@ class Views:
             "blocks_nvme": nvme,
             "bytes_dram": b_dram,
             "bytes_nvme": b_nvme,
+            # its blocks in vLLM's prefix cache (None: the engine publishes no KV cache events)
+            "blocks_hbm": in_hbm if hbm else None,
+            "bytes_hbm": b_hbm if hbm else None,
             "pinned": session.pinned.name.lower() if session.pinned is not None else None,
             **self._time_limits(session, wall),
             "last_use": session.last_use,
             "idle_seconds": max(0.0, now - session.last_use),
-        } for session, dram, nvme, both, b_dram, b_nvme in zip(
+        } for session, dram, nvme, both, b_dram, b_nvme, in_hbm, b_hbm in zip(
             sessions, counts["blocks_dram"], counts["blocks_nvme"], counts["blocks_both"], counts["bytes_dram"],
-            counts["bytes_nvme"])]
+            counts["bytes_nvme"], counts["blocks_hbm"], counts["bytes_hbm"])]
 
     @staticmethod
     def _time_limits(session: Session, now: float) -> dict[str, Any]:
@@ -100,7 +110,7 @@ class Views:
         """Per session, its state as an index into ``SESSION_STATES`` (vectorised ``session_state``)."""
         dram, nvme = counts["blocks_dram"], counts["blocks_nvme"]
         pinned = np.fromiter((s.pinned is not None for s in sessions), bool, len(sessions))
-        hot = np.fromiter((s.hot for s in sessions), bool, len(sessions))
+        hot = np.fromiter((s.hot for s in sessions), bool, len(sessions)) | (counts["blocks_hbm"] > 0)
         warm = (dram > 0) & (dram >= nvme)
         return np.select([pinned, hot, warm, nvme > 0], [0, 1, 2, 3], 4)
 
@@ -136,11 +146,12 @@ class Views:
         shown = order if limit is None else order[:limit]
         return self.sessions_overview([sessions[i].session_id for i in shown.tolist()]), len(chosen)
 
-    def session_state(self, session: Session, in_dram: int, in_nvme: int) -> str:
-        # keep in step with session_state_counts
+    def session_state(self, session: Session, in_dram: int, in_nvme: int, in_hbm: int = 0) -> str:
+        # keep in step with _state_codes. Hot: a request of it runs, or vLLM's prefix cache holds
+        # some of its blocks (its next turn hits there first)
         if session.pinned is not None:
             return "pinned"
-        if session.hot:
+        if session.hot or in_hbm:
             return "hot"
         if in_dram and in_dram >= in_nvme:
             return "warm"

@@ -37,10 +37,12 @@ from kvtier.connector_config import ConnectorConfig
 from kvtier.jobs import Job, JobKind, RankMerger
 from kvtier.layout import ModelFingerprint
 from kvtier.plan.decide import LoadCandidate, blocks_to_load, worth_keeping
-from kvtier.plan.index import namespace_of, validate_session_id
+from kvtier.plan.index import namespace_of
 from kvtier.plan.manager import TierManager
+from kvtier.plugins.vllm.compat import running_vllm_version, vllm_info
 from kvtier.plugins.vllm.geometry import VllmBlockKeys
-from kvtier.plugins.vllm.state import RequestState, retain_hint_of
+from kvtier.plugins.vllm.hbm import HbmCache, events_endpoint
+from kvtier.plugins.vllm.state import RequestState, anonymous_session, retain_hint_of, session_of, valid_session
 from kvtier.plugins.vllm.timing import EngineClock, build_cost_model
 from kvtier.plugins.vllm.turns import TurnRecorder, store_skipped
 from kvtier.plugins.vllm.wake import EngineWaker
@@ -49,23 +51,6 @@ from kvtier.tiers.nvme.drives import drive_dirs, primary_dir, scan_drives
 __all__ = ["KVTierScheduler", "RequestState", "StepPlan", "anonymous_session", "session_of"]
 
 log = logging.getLogger("kvtier.connector")
-
-
-def session_of(request: Any) -> str:
-    """The request's session: ``session_id`` (body, X-Session-ID header) or one derived from its prefix."""
-    session_id = getattr(request, "session_id", None)
-    if session_id:
-        try:
-            return validate_session_id(str(session_id))
-        except Exception:  # an odd id must not fail the request: fall back to an anonymous one
-            log.warning("kvtier: ignoring invalid session id %r", session_id)
-    hashes = request.block_hashes
-    return anonymous_session(hashes[0]) if hashes else f"anon-{request.request_id}"[:128]
-
-
-def anonymous_session(first_block_hash: bytes) -> str:
-    """The session of a request without a session id: named after its first block's hash."""
-    return f"anon-{bytes(first_block_hash).hex()[:16]}"
 
 
 def admin_token_of(config: ConnectorConfig, environ: Any = None) -> str | None:
@@ -161,6 +146,7 @@ class KVTierScheduler:
 
             self.shared = SharedLookups(self.manager, self.cost, self.lock, self.enqueue, self.shards, shared_config,
                                         box=str(config.instance or os.uname().nodename))
+        self.hbm_cache = self._listen_hbm(vllm_config)  # vLLM's prefix cache, from its KV events
         if config.admin_socket:
             self._start_admin(config)
         self.catalog_paused = threading.Event()  # `kvtier bench restart`: the same engine with it off
@@ -203,6 +189,20 @@ class KVTierScheduler:
                 poked_at = time.monotonic()
                 self.poke()
 
+    def _listen_hbm(self, vllm_config: Any) -> "HbmCache | None":
+        """Follow vLLM's KV cache events when it publishes them (``kvtier serve`` turns them on)."""
+        endpoint = events_endpoint(vllm_config)
+        if endpoint is None:
+            return None
+        cache = HbmCache(valid_session)
+        try:
+            cache.listen(endpoint, vllm_config.kv_events_config.topic)
+        except Exception as exc:  # noqa: BLE001 - HBM then shows running requests only
+            log.warning("kvtier: not following vLLM's KV cache events at %s: %s", endpoint, exc)
+            return None
+        self.manager.views.hbm_blocks = cache.sessions  # sessions, inspect and top: each one's HBM share
+        return cache
+
     def _idle_for(self) -> float:
         return self.clock.idle_for()
 
@@ -220,7 +220,7 @@ class KVTierScheduler:
                 "kv_dtype": self.fingerprint.geometry.dtype,
                 "block_tokens": self.block_tokens, "instance": config.instance,
                 "revision": config.revision, "commit": config.commit, "weights": self.fingerprint.weights,
-                "nvme_drives": drive_dirs(config.cold_dir)}
+                "nvme_drives": drive_dirs(config.cold_dir), "vllm": vllm_info(running_vllm_version())}
         self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, config.snapshot_dir, info, hbm=self.hbm_usage,
                        cost=self.cost, shared=self.shared)
         tcp = None
@@ -233,12 +233,25 @@ class KVTierScheduler:
             log.error("kvtier: admin API not started: %s", exc)
 
     def hbm_usage(self) -> dict:
-        """vLLM's KV cache in HBM: its capacity, and the blocks running requests hold (their block
-        tables; blocks vLLM keeps only as prefix cache are not counted). Called under the lock."""
+        """vLLM's KV cache in HBM: its capacity; the blocks running requests hold (their block
+        tables); and, from vLLM's KV cache events, the blocks its prefix cache holds besides them
+        (freed, reusable by the next turn that shares their prefix, reclaimed first-come when vLLM
+        needs room). Occupied = running + cached-only. Called under the lock."""
         block_bytes = self.fingerprint.geometry.block_bytes
-        used = sum(len(state.block_ids) for state in self.requests.values())
+        running = sum(len(state.block_ids) for state in self.requests.values())
         capacity = self._hbm_capacity_blocks
-        return {"used_bytes": used * block_bytes, "blocks": used,
+        cached = reclaimable = None
+        if self.hbm_cache is not None and self.hbm_cache.listening:
+            cached = self.hbm_cache.held_blocks()
+            # every full block a running request holds is in the prefix cache too (its partial last
+            # block is not): the rest of the cache is held by nothing but the cache
+            reclaimable = max(0, cached - running)
+        occupied = running + (reclaimable or 0)
+        return {"used_bytes": occupied * block_bytes, "blocks": occupied,
+                "running_blocks": running, "running_bytes": running * block_bytes,
+                "cached_blocks": cached, "reclaimable_blocks": reclaimable,
+                "reclaimable_bytes": reclaimable * block_bytes if reclaimable is not None else None,
+                "source": "kv_events" if cached is not None else "block_tables",
                 "capacity_bytes": capacity * block_bytes if capacity else None}
 
     def poke(self) -> bool:
@@ -256,6 +269,8 @@ class KVTierScheduler:
 
     def shutdown(self) -> None:
         self._stopping.set()
+        if self.hbm_cache is not None:
+            self.hbm_cache.close()
         if self.shared is not None:
             self.shared.close()
         if self.admin is not None:
@@ -310,6 +325,7 @@ class KVTierScheduler:
         first = not state.counted
         if first:  # hit rates: prompt tokens admitted, and how many vLLM's HBM cache held
             state.counted = True
+            self._note_session(state, request)
             self.manager.count("prompt_tokens", int(getattr(request, "num_prompt_tokens", request.num_tokens)))
             self.manager.count("hbm_hit_tokens", state.local_tokens)
             if state.decision is not None:
@@ -336,6 +352,14 @@ class KVTierScheduler:
         if first:
             self.turns.admitted(state, request, job, count * self.block_tokens,
                            (count - loaded) * self.block_tokens)
+
+    def _note_session(self, state: RequestState, request: Any) -> None:
+        """A session is listed from its first request, before it has a whole block to store (its
+        row then says why nothing is stored: ``reasons.stored_note``)."""
+        session = self.manager.sessions.get(state.session_id)
+        if session is None:
+            session = self.manager.record_session(state.session_id, state.namespace, [], request.num_tokens)
+        session.hot = True
 
     # ---- per step -----------------------------------------------------------------------------
     def build_jobs(self, scheduler_output: Any) -> StepPlan:
@@ -457,9 +481,13 @@ class KVTierScheduler:
         state = self.requests.get(request.request_id)
         if state is None:
             return held, None
+        if not held:  # vLLM frees its blocks now (to its prefix cache): HBM counts them there, not here
+            state.block_ids = []
         self.turns.finished(state)
         session = self.manager.sessions.get(state.session_id)
         if session is not None:
             session.hot = False
+            if not session.keys:  # shorter than a block: its length with the reply
+                session.num_tokens = max(session.num_tokens, int(request.num_tokens))
         return held, {"kvtier": {"session_id": state.session_id, "loaded_tokens": state.loaded_tokens}}
 

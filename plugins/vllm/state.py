@@ -10,11 +10,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import KvtierError
+from kvtier.plan.index import validate_session_id
 from kvtier.plan.retention import RetainHint, parse_retain_hint
 
-__all__ = ["RequestState", "retain_hint_of"]
+__all__ = ["RequestState", "anonymous_session", "retain_hint_of", "session_of", "valid_session"]
 
 log = logging.getLogger("kvtier.connector")
+
+
+def session_of(request: Any) -> str:
+    """The request's session: ``session_id`` (body, X-Session-ID header) or one derived from its prefix."""
+    session_id = getattr(request, "session_id", None)
+    if session_id:
+        try:
+            return validate_session_id(str(session_id))
+        except Exception:  # an odd id must not fail the request: fall back to an anonymous one
+            log.warning("kvtier: ignoring invalid session id %r", session_id)
+    hashes = request.block_hashes
+    return anonymous_session(hashes[0]) if hashes else f"anon-{request.request_id}"[:128]
+
+
+def valid_session(session_id: str) -> bool:
+    try:
+        validate_session_id(session_id)
+        return True
+    except Exception:  # noqa: BLE001 - session_of names such a request anonymously, and so do its blocks
+        return False
+
+
+def anonymous_session(first_block_hash: bytes) -> str:
+    """The session of a request without a session id: named after its first block's hash."""
+    return f"anon-{bytes(first_block_hash).hex()[:16]}"
 
 
 def retain_hint_of(request: Any) -> RetainHint | None:

@@ -96,7 +96,7 @@ class TurnRecorder:
         hashes = request.block_hashes
         usable_blocks = facts.usable_tokens // bt
         session = manager.sessions.get(state.session_id)
-        if session is not None:
+        if session is not None and session.keys:  # listed from its first request, but with no block yet: new
             facts.session_known = True
             keys = session.keys
             facts.session_tokens = len(keys) * bt

@@ -75,6 +75,21 @@ def test_each_reason_is_classified_with_its_detail(case, expected, words):
     assert words in detail, detail
 
 
+@pytest.mark.parametrize("row, skipped, dropped, words", [
+    (dict(blocks=0, prompt_tokens=24), False, None, "nothing stored: 24 tokens, shorter than one block (128 tokens)"),
+    (dict(blocks=3, prompt_tokens=400), True, None, "400 tokens are under the DRAM break-even (2,048 tokens)"),
+    (dict(blocks=3, prompt_tokens=400), False, ("operator", 1.0), "dropped by the operator (kvtier evict --to drop)"),
+    (dict(blocks=3, prompt_tokens=400, state="hot"), False, None, "its blocks are being stored"),
+    (dict(blocks=3, prompt_tokens=400, blocks_dram=1), True, None, None),  # it holds blocks: nothing to explain
+])
+def test_a_session_row_says_why_it_holds_nothing(row, skipped, dropped, words):
+    from kvtier.plan.reasons import stored_note
+
+    info = {"blocks_dram": 0, "blocks_nvme": 0, "state": "gone", **row}
+    note = stored_note(info, BT, skipped, 2048, dropped)
+    assert note == words if words is None else words in note, note
+
+
 def test_the_first_cause_wins():
     # a diverged prompt whose matching blocks were also dropped: the drop stopped kvtier first
     dropped = facts(found_tokens=0, session_known=True, session_tokens=512, match_tokens=256, diverged_at=300,
@@ -216,7 +231,7 @@ class Served:
 
     def __init__(self, model: str, root, socket_name: str = "admin.sock"):
         from vllm import LLM
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
 
         from kvtier.plan.costmodel import PrefillModel
 
@@ -228,7 +243,10 @@ class Served:
                        enforce_eager=True, enable_prefix_caching=True, seed=0,
                        kv_transfer_config=KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
                                                            kv_load_failure_policy="recompute",
-                                                           kv_connector_extra_config=extra))
+                                                           kv_connector_extra_config=extra),
+                       # what kvtier serve passes: vLLM's KV cache events, for HBM as vLLM holds it
+                       kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                       endpoint=f"inproc://kvtier-{socket_name}", topic="kvtier"))
         self.scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
         cost = self.scheduler.cost
         cost.prefill = PrefillModel(overhead_s=0.002, per_token_s=50e-6, attention_s=0.0, points=99)
@@ -418,6 +436,47 @@ def test_vllm_prompts_below_the_store_threshold(served):
     finally:
         served.normal()
     assert again.reason == "below_store_threshold" and "DRAM break-even" in again.detail, again
+
+
+@pytest.mark.slow
+def test_vllm_a_session_is_listed_from_its_first_request_and_says_why_nothing_is_stored(served):
+    """Issue 32: the README's first request (shorter than one block) made a session that `kvtier
+    sessions` did not list and `kvtier inspect` did not know."""
+    from kvtier.cli.main import app
+
+    served.turn("agent-42", prompt_of(21, 20))
+    rows = {s["session_id"]: s for s in served.admin().get("/v1/sessions")["sessions"]}
+    assert rows["agent-42"]["blocks"] == 0 and rows["agent-42"]["prompt_tokens"] == 24, rows["agent-42"]
+    out = CliRunner().invoke(app, ["sessions", "--socket", served.sock], terminal_width=200)
+    assert out.exit_code == 0, out.output
+    assert "agent-42: nothing stored: 24 tokens, shorter than one block (128 tokens)" in out.output, out.output
+    text = " ".join(inspect_output(served, "agent-42").split())
+    assert "│ stored │ nothing stored: 24 tokens" in text and "not longer than one block" in text, text
+
+
+@pytest.mark.slow
+def test_vllm_prefix_cache_blocks_show_in_hbm_and_their_session_hot(served):
+    """Issue 32: after a turn, vLLM keeps its blocks as prefix cache: HBM shows them, and the session
+    whose next turn would hit them is hot."""
+    served.turn("cached-a", prompt_of(31, 700))  # 5 full blocks (of 128 tokens) with the reply
+    cache = served.scheduler.hbm_cache
+    assert cache is not None and cache.listening
+    assert cache.wait_for(lambda: cache.session_blocks("cached-a") >= 5, 30.0), cache.sessions()
+    client = served.admin()
+    vllm = client.get("/v1/status")["vllm"]  # the vLLM the server runs, and whether kvtier was tested on it
+    assert vllm["version"].startswith("0.32.") and vllm["tested"] is True, vllm
+    status = client.get("/v1/status")["tiers"]["hbm"]
+    assert status["source"] == "kv_events" and status["running_blocks"] == 0, status
+    assert status["cached_blocks"] >= 5 and status["used_bytes"] == status["reclaimable_bytes"] > 0, status
+    row = client.get("/v1/sessions/cached-a")
+    assert row["state"] == "hot" and row["blocks_hbm"] >= 5, row
+    assert row["bytes_hbm"] == row["blocks_hbm"] * served.scheduler.fingerprint.geometry.block_bytes
+    assert "cached-a" in [s["session_id"] for s in client.get("/v1/sessions", state="hot")["sessions"]]
+    served.llm.reset_prefix_cache()  # vLLM drops its prefix cache: the session is no longer hot
+    served.turn("poke", prompt_of(99, 40), max_tokens=1)  # vLLM publishes a step's events after the step
+    assert cache.wait_for(lambda: not cache.session_blocks("cached-a"), 30.0), cache.sessions()
+    row = client.get("/v1/sessions/cached-a")
+    assert row["state"] != "hot" and row["blocks_hbm"] == 0, row
 
 
 @pytest.mark.slow

@@ -33,7 +33,8 @@ def process_gone(pid: int) -> bool:
 def test_chat_through_kvtier_serve_reloads_session_after_prefix_reset(tiny_model, tmp_path):
     port = free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(tmp_path), VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PYTHONUNBUFFERED="1")
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PYTHONUNBUFFERED="1",
+               XDG_RUNTIME_DIR=str(tmp_path / "run"))  # the CLI finds this server alone
     log = open(tmp_path / "server.log", "w")
     cmd = [sys.executable, "-m", "kvtier.cli.main", "serve", str(tiny_model), "--port", str(port),
            "--dram", "256MiB", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "1GiB",
@@ -56,6 +57,7 @@ def test_chat_through_kvtier_serve_reloads_session_after_prefix_reset(tiny_model
         messages.append({"role": "assistant", "content": first.choices[0].message.content})
         messages.append({"role": "user", "content": "and the next step?"})
         second = turn()
+        _readme_request_and_hbm_as_vllm_holds_it(client, env)
         # vLLM forgets everything it cached; kvtier still holds the session
         urllib.request.urlopen(urllib.request.Request(base + "/reset_prefix_cache", method="POST"), timeout=30)
         again = turn()
@@ -73,6 +75,35 @@ def test_chat_through_kvtier_serve_reloads_session_after_prefix_reset(tiny_model
     # no process of the server's group is left behind
     leftovers = subprocess.run(["pgrep", "-g", str(server.pid)], capture_output=True, text=True).stdout.split()
     assert all(process_gone(int(pid)) for pid in leftovers)
+
+
+def _readme_request_and_hbm_as_vllm_holds_it(client, env: dict) -> None:
+    """Issue 32: the README's first request (shorter than one block) is listed and explained; and
+    after turns that leave their blocks in vLLM's prefix cache, `kvtier top` shows HBM occupied and
+    the session hot (vLLM's KV cache events, which kvtier serve turns on)."""
+    import json
+    import time
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", *args], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "def fib(n):"}],
+                                   max_tokens=16, extra_headers={"X-Session-ID": "agent-42"})
+    rows = {s["session_id"]: s for s in json.loads(cli("sessions", "--json"))["sessions"]}
+    assert "shorter than one block" in rows["agent-42"]["stored_note"], rows["agent-42"]
+    assert "nothing stored" in cli("inspect", "agent-42")
+    deadline = time.monotonic() + 60  # the events reach the connector's thread just after the step
+    while True:
+        sample = json.loads(cli("top", "--once", "--json"))
+        hbm = next(t for t in sample["tiers"] if t["name"] == "hbm")
+        session = next(s for s in sample["sessions"] if s["session_id"] == "agent-a")
+        if (hbm["used_bytes"] and session["state"] == "hot" and session["bytes_hbm"]) or time.monotonic() > deadline:
+            break
+    assert hbm["used_bytes"] > 0 and hbm["capacity_bytes"], hbm
+    assert session["state"] == "hot" and session["bytes_hbm"] > 0, session
 
 
 def _serve(tiny_model, tmp_path, port: int, env: dict, log_name: str, *vllm_args: str) -> subprocess.Popen:
