@@ -381,3 +381,33 @@ def bench_scale(
     results = run_scale_bench(quick=quick, progress=bench_progress(json_out),
                               directory=str(directory) if directory else None)
     emit_bench("kvtier bench scale", SCALE_KEYS, results, json_out)
+
+
+@bench_app.command("memory")
+@handle_errors
+def bench_memory(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object: the summary keys, then per "
+                                                        "size under \"sizes\", the run under \"details\"."),
+    quick: bool = typer.Option(False, "--quick", help="--dram 1GiB only instead of 1, 4 and 8 GiB."),
+    sizes: str = typer.Option("", "--sizes", help="DRAM budgets in GiB, comma-separated (default 1,4,8)."),
+    directory: Optional[Path] = typer.Option(None, "--dir", help="Where the NVMe tiers go (default: the "
+                                                                 "current dir; needs the largest size + 1 GiB)."),
+) -> None:
+    """RSS of every process of `kvtier serve` with --dram N filled (N = 1, 4, 8 GiB) against plain vLLM
+    with the same engine flags: target RSS - plain RSS <= 1.05 x N + 256 MiB."""
+    import contextlib
+    import sys
+
+    from kvtier.bench.memory import MEMORY_COLUMNS, MEMORY_KEYS, memory_rows, parse_sizes
+    from kvtier.bench.vllm.memory import run_memory_bench
+
+    _check_bench_dir(directory)
+    chosen = parse_sizes(sizes)
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
+        results = run_memory_bench(sizes=chosen or None, quick=quick, progress=bench_progress(json_out),
+                                   directory=str(directory) if directory else None)
+    if json_out:
+        emit_json(results)
+        return
+    print_table("kvtier bench memory", MEMORY_COLUMNS, memory_rows(results))
+    typer.echo(", ".join(f"{key}={results[key]}" for key in MEMORY_KEYS))
