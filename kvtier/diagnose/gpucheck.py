@@ -137,7 +137,44 @@ def check_pinned(device) -> dict:
            "arena_pinned": arena.pinned, "staging_pinned": bool(staging.is_pinned()) if device.type == "cuda" else None}
     pinned = device.type != "cuda" or (arena.pinned and out["staging_pinned"])
     out["ok"] = out["arena_bytes"] == out["expected_bytes"] and pinned
+    del arena, staging
+    out.update(pinned_rss(device))
+    out["ok"] = out["ok"] and out["rss_ok"]
     return out
+
+
+def pinned_rss(device, size_bytes: int = (1 << 30) + 7 * 4096) -> dict:
+    """Pinning the DRAM tier must not round it up (the design in ``tiers/dram.py``: one
+    ``cudaHostRegister`` of an exact-size arena, never PyTorch's caching host allocator, which rounds
+    a request up to a power of two): the process RSS grows by the arena's size, at most 5% + 64 MiB
+    more, and drops back once it is freed. ``kvtier bench memory`` measures the whole server on CPU,
+    where nothing is pinned; this is its GPU half."""
+    import gc
+
+    import psutil
+    import torch
+
+    from kvtier.tiers.dram import PAGE, DramArena
+
+    cuda = device.type == "cuda"
+    process = psutil.Process()
+    host_stats = getattr(torch.cuda, "host_memory_stats", None) if cuda else None
+    allocated = (lambda: host_stats().get("allocated_bytes.current", 0)) if host_stats else (lambda: 0)
+    before, host_before = process.memory_info().rss, allocated()
+    slots = size_bytes // PAGE
+    arena = DramArena(slots, PAGE, pin=cuda)
+    if not cuda:
+        arena.buffer.fill_(1)  # on a CPU the pages count once written; pinned pages are resident at once
+    grown = process.memory_info().rss - before
+    expected = slots * PAGE
+    host_grown = allocated() - host_before
+    del arena
+    gc.collect()
+    released = process.memory_info().rss - before
+    ok = expected <= grown + (64 << 20) and grown <= 1.05 * expected + (64 << 20) and host_grown == 0 and \
+        released < 0.5 * expected
+    return {"rss_arena_bytes": expected, "rss_grown_bytes": grown, "rss_after_free_bytes": released,
+            "caching_host_allocator_bytes": host_grown, "rss_pinned": cuda, "rss_ok": ok}
 
 
 def check_overlap(device, tmp: Path) -> dict:

@@ -40,3 +40,21 @@ def test_a_broken_load_path_fails_the_check(monkeypatch):
     monkeypatch.setattr(LayoutAdapter, "scatter", corrupting)
     report = gpucheck.run_checks(dry=True)
     assert not report["ok"] and not report["checks"]["layout_LBHNC_bfloat16"]["nvme_load_bit_exact"]
+
+
+def test_an_arena_rounded_up_fails_the_memory_check(monkeypatch):
+    """The DRAM tier must cost its size, not the next power of two (as PyTorch's caching host
+    allocator would round a pinned request): an arena that takes twice the room fails the check."""
+    import torch
+
+    from kvtier.tiers import dram
+
+    fair = gpucheck.pinned_rss(torch.device("cpu"), size_bytes=256 << 20)
+    assert fair["rss_ok"] and fair["rss_grown_bytes"] >= fair["rss_arena_bytes"] - (64 << 20)
+    original = dram.DramArena.__init__
+
+    def rounded_up(self, num_slots, slot_bytes, *args, **kwargs):
+        original(self, 2 * num_slots, slot_bytes, *args, **kwargs)
+
+    monkeypatch.setattr(dram.DramArena, "__init__", rounded_up)
+    assert not gpucheck.pinned_rss(torch.device("cpu"), size_bytes=256 << 20)["rss_ok"]
