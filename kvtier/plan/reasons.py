@@ -349,7 +349,8 @@ def stored_note(info: dict[str, Any], block_tokens: int, store_skipped: bool, br
         return (f"nothing stored: {tokens} tokens, shorter than one block ({block_tokens} tokens); "
                 f"kvtier stores whole blocks")
     if store_skipped:
-        under = f" ({break_even_tokens:,} tokens)" if break_even_tokens else ""
+        # the break-even now (the link and prefill rates move): shown where it still explains the row
+        under = f" ({break_even_tokens:,} tokens)" if break_even_tokens and break_even_tokens > tokens else ""
         return (f"not stored: {tokens:,} tokens are under the DRAM break-even{under}, "
                 f"where recomputing them beats loading them")
     if dropped is not None:
