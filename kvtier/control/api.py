@@ -37,8 +37,9 @@ MAX_WAIT_S = 300.0
 
 
 def _until_clean(ops: "Ops", query: dict) -> None:
-    """``?until=clean&wait_s=N``: answer once no DRAM block lacks an NVMe copy (or after N s):
-    a caller waits on the engine's results instead of polling."""
+    """``?until=clean&wait_s=N``: answer once no DRAM block lacks an NVMe copy and none is still on
+    its way into DRAM (a store behind the step turns dirty when it lands), or after N s: a caller
+    waits on the engine's results instead of polling."""
     until = query.get("until")
     if until is None:
         return
@@ -50,7 +51,7 @@ def _until_clean(ops: "Ops", query: dict) -> None:
         raise ApiError(400, "wait_s must be a number of seconds", hint="for example wait_s=30") from None
     if not 0 <= wait_s <= MAX_WAIT_S:
         raise ApiError(400, f"wait_s must be between 0 and {MAX_WAIT_S:.0f}", hint="for example wait_s=30")
-    ops.wait_for(lambda: ops.manager.dirty_stats()["dirty_blocks"] == 0, wait_s)
+    ops.wait_for(lambda: not any(ops.manager.dirty_stats()[k] for k in ("dirty_blocks", "storing_blocks")), wait_s)
 
 
 def _status(ops: "Ops", query: dict, **_) -> tuple[int, dict]:

@@ -188,6 +188,11 @@ class BlockIndex:
         flags = self.col["flags"][: len(self._keys)]
         return np.flatnonzero((flags & (IN_DRAM | IN_NVME | PENDING)) == IN_DRAM)
 
+    def storing_count(self) -> int:
+        """Blocks on their way into DRAM (a store behind the step): dirty once it lands."""
+        flags = self.col["flags"][: len(self._keys)]
+        return int(np.count_nonzero((flags & (IN_DRAM | IN_NVME | PENDING)) == (IN_DRAM | PENDING)))
+
     # ---- rows -------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._keys) - len(self._free_rows)

@@ -201,8 +201,10 @@ class Views:
     def dirty_stats(self) -> dict[str, float]:
         """What a crash would lose now: DRAM-only blocks, their bytes, and the oldest one's age (s)."""
         rows = self.table.index.dirty_rows()
+        storing = self.table.index.storing_count()  # not dirty yet: their stores run behind the step
         if not len(rows):
-            return {"dirty_blocks": 0, "dirty_bytes": 0, "dirty_age_s": 0.0}
+            return {"dirty_blocks": 0, "dirty_bytes": 0, "dirty_age_s": 0.0, "storing_blocks": storing}
         col = self.table.index.col
         return {"dirty_blocks": int(len(rows)), "dirty_bytes": int(col["dram_nbytes"][rows].sum()),
-                "dirty_age_s": round(max(0.0, self.table.index.now() - float(col["dirty_since"][rows].min())), 3)}
+                "dirty_age_s": round(max(0.0, self.table.index.now() - float(col["dirty_since"][rows].min())), 3),
+                "storing_blocks": storing}
