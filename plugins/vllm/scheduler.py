@@ -355,7 +355,10 @@ class KVTierScheduler:
 
     def _note_session(self, state: RequestState, request: Any) -> None:
         """A session is listed from its first request, before it has a whole block to store (its
-        row then says why nothing is stored: ``reasons.stored_note``)."""
+        row then says why nothing is stored: ``reasons.stored_note``). A request with neither a
+        session id nor a whole block (a health check, kvtier's own wake-up poke) is no session."""
+        if not request.block_hashes and not getattr(request, "session_id", None):
+            return
         session = self.manager.sessions.get(state.session_id)
         if session is None:
             session = self.manager.record_session(state.session_id, state.namespace, [], request.num_tokens)
