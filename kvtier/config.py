@@ -8,7 +8,7 @@ together with a field -> source map (``"flag"``, ``"env KVTIER_DRAM"``, ``"file 
 from.  All validation lives in :func:`validate_settings`.  Stdlib only; never imports torch.
 
 The two budgets (``dram``, ``nvme``) may be ``auto``, and are when nothing sets them: ``kvtier
-serve`` then sizes them to the box at start (``kvtier.launch.preflight.size_budgets``), because no
+serve`` then sizes them to the box at start (``kvtier.launch.budgets.size_budgets``), because no
 fixed default fits every disk and every number of servers on it.  Their field then holds the
 built-in default, which is the cap of the automatic budget, and :func:`auto_budgets` names them.
 """
