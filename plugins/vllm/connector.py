@@ -34,7 +34,6 @@ from kvtier.plugins.vllm.compat import (
     check_vllm_version,
 )
 from kvtier.plugins.vllm.geometry import check_supported, fingerprint_from_vllm, parallel_of
-from kvtier.plugins.vllm.sleep import switch_weights
 
 __all__ = ["KVTierConnector", "KVTierMetadata", "KVTierWorkerMetadata"]
 
@@ -139,9 +138,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.step_finished()  # vLLM calls this once per executed step
             if isinstance(meta, KVTierWorkerMetadata):
                 self._scheduler.complete(meta.results)
-                if meta.weights is not None and meta.weights != self._scheduler.fingerprint.weights:
-                    self._scheduler.fingerprint = switch_weights(self._scheduler.fingerprint, meta.weights,
-                                                                 self.manager, self._scheduler.enqueue)
+                if meta.weights is not None:
+                    self._scheduler.weights_reported(meta.weights)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         with self._timed(), self._scheduler.lock:

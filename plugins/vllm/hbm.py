@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from kvtier.plugins.vllm.state import anonymous_session
 
-__all__ = ["HbmCache", "events_endpoint", "subscribe_endpoint"]
+__all__ = ["HbmCache", "events_endpoint", "hbm_usage", "subscribe_endpoint"]
 
 log = logging.getLogger("kvtier.connector")
 
@@ -58,6 +58,26 @@ def subscribe_endpoint(endpoint: str) -> str:
         if endpoint.startswith(f"tcp://{wildcard}:"):
             return "tcp://127.0.0.1:" + endpoint.rsplit(":", 1)[1]
     return endpoint
+
+
+def hbm_usage(cache: "HbmCache | None", running: int, capacity: int | None, block_bytes: int) -> dict:
+    """vLLM's KV cache in HBM: its capacity; the ``running`` blocks running requests hold (their
+    block tables); and, where ``cache`` follows vLLM's events, the blocks its prefix cache holds
+    besides them (freed, reusable by the next turn that shares their prefix, reclaimed first-come
+    when vLLM needs room). Occupied = running + cached-only."""
+    cached = reclaimable = None
+    if cache is not None and cache.listening:
+        cached = cache.held_blocks()
+        # every full block a running request holds is in the prefix cache too (its partial last
+        # block is not): the rest of the cache is held by nothing but the cache
+        reclaimable = max(0, cached - running)
+    occupied = running + (reclaimable or 0)
+    return {"used_bytes": occupied * block_bytes, "blocks": occupied,
+            "running_blocks": running, "running_bytes": running * block_bytes,
+            "cached_blocks": cached, "reclaimable_blocks": reclaimable,
+            "reclaimable_bytes": reclaimable * block_bytes if reclaimable is not None else None,
+            "source": "kv_events" if cached is not None else "block_tables",
+            "capacity_bytes": capacity * block_bytes if capacity else None}
 
 
 class HbmCache:

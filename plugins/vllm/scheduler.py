@@ -41,7 +41,8 @@ from kvtier.plan.index import namespace_of
 from kvtier.plan.manager import TierManager
 from kvtier.plugins.vllm.compat import running_vllm_version, vllm_info
 from kvtier.plugins.vllm.geometry import VllmBlockKeys
-from kvtier.plugins.vllm.hbm import HbmCache, events_endpoint
+from kvtier.plugins.vllm.hbm import HbmCache, events_endpoint, hbm_usage
+from kvtier.plugins.vllm.sleep import switch_weights
 from kvtier.plugins.vllm.state import RequestState, anonymous_session, retain_hint_of, session_of, valid_session
 from kvtier.plugins.vllm.timing import EngineClock, build_cost_model
 from kvtier.plugins.vllm.turns import TurnRecorder, store_skipped
@@ -233,26 +234,10 @@ class KVTierScheduler:
             log.error("kvtier: admin API not started: %s", exc)
 
     def hbm_usage(self) -> dict:
-        """vLLM's KV cache in HBM: its capacity; the blocks running requests hold (their block
-        tables); and, from vLLM's KV cache events, the blocks its prefix cache holds besides them
-        (freed, reusable by the next turn that shares their prefix, reclaimed first-come when vLLM
-        needs room). Occupied = running + cached-only. Called under the lock."""
-        block_bytes = self.fingerprint.geometry.block_bytes
+        """vLLM's KV cache in HBM (``hbm.hbm_usage``): running requests' blocks, and the prefix
+        cache's besides them. Called under the lock."""
         running = sum(len(state.block_ids) for state in self.requests.values())
-        capacity = self._hbm_capacity_blocks
-        cached = reclaimable = None
-        if self.hbm_cache is not None and self.hbm_cache.listening:
-            cached = self.hbm_cache.held_blocks()
-            # every full block a running request holds is in the prefix cache too (its partial last
-            # block is not): the rest of the cache is held by nothing but the cache
-            reclaimable = max(0, cached - running)
-        occupied = running + (reclaimable or 0)
-        return {"used_bytes": occupied * block_bytes, "blocks": occupied,
-                "running_blocks": running, "running_bytes": running * block_bytes,
-                "cached_blocks": cached, "reclaimable_blocks": reclaimable,
-                "reclaimable_bytes": reclaimable * block_bytes if reclaimable is not None else None,
-                "source": "kv_events" if cached is not None else "block_tables",
-                "capacity_bytes": capacity * block_bytes if capacity else None}
+        return hbm_usage(self.hbm_cache, running, self._hbm_capacity_blocks, self.fingerprint.geometry.block_bytes)
 
     def poke(self) -> bool:
         """One 1-token request, so an idle engine runs a step (see ``EngineWaker``)."""
@@ -475,6 +460,12 @@ class KVTierScheduler:
                 self.ops.finished(result)
         if results and self.ops is not None:
             self.ops.applied()  # a write-behind report changes the dirty count too
+
+    def weights_reported(self, weights: str) -> None:
+        """A worker woke up from a sleep with other weights: plan under their fingerprint from now on,
+        and drop the sessions computed with the old ones (``sleep.switch_weights``)."""
+        if weights != self.fingerprint.weights:
+            self.fingerprint = switch_weights(self.fingerprint, weights, self.manager, self.enqueue)
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
         """(hold the request's blocks until its stores are done on every rank, its transfer params)."""
