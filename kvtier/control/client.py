@@ -170,7 +170,7 @@ class AdminClient:
         from pathlib import Path
 
         from kvtier.persist.snapshot import overwrite_refusal
-        from kvtier.tiers.records import fsync_dir
+        from kvtier.tiers.fileio import fsync_dir
 
         target = Path(target).expanduser().absolute()
         refusal = overwrite_refusal(target)

@@ -44,6 +44,7 @@ import xxhash
 
 from kvtier.errors import KvtierError
 from kvtier.layout import ModelFingerprint
+from kvtier.tiers import fileio
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.plan.index import Session
@@ -163,7 +164,7 @@ class Catalog:
         self.fingerprint = fingerprint
         directory = catalog_dir(nvme_dir)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            fileio.mkdir(directory)
         except OSError as exc:
             raise CatalogError(f"cannot create the session catalog directory {directory}: {exc.strerror}",
                                hint="check that the NVMe directory is writable") from exc
@@ -184,7 +185,7 @@ class Catalog:
     # ---- opening ------------------------------------------------------------------------------
     def _take_lock(self, path: Path) -> int:
         if not path.exists():
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+            fileio.close(fileio.open_file(path, os.O_WRONLY | os.O_CREAT, 0o600))
         fd = os.open(path, os.O_RDONLY)  # flock needs no write access; a writable fd would pin the mount
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -196,7 +197,7 @@ class Catalog:
                     hint="give each server its own --nvme-dir, or stop the other one first") from None
             raise
         try:  # who holds it, for the error a second server gets
-            path.write_text(f"{os.getpid()}\n")
+            fileio.write_small_file(path, f"{os.getpid()}\n".encode(), durable=False)
         except OSError:
             pass
         return fd
@@ -250,7 +251,7 @@ class Catalog:
         for suffix in ("", "-wal", "-shm"):
             source = Path(f"{self.path}{suffix}")
             if source.exists():
-                os.replace(source, Path(f"{aside}{suffix}"))
+                fileio.replace(source, Path(f"{aside}{suffix}"))
         return aside
 
     # ---- reads --------------------------------------------------------------------------------
@@ -376,7 +377,7 @@ class Catalog:
     def _recreate(self) -> None:
         os.close(self._lock_fd)
         self._lock_fd = -1
-        catalog_dir(self.path.parent.parent).mkdir(parents=True, exist_ok=True)
+        fileio.mkdir(catalog_dir(self.path.parent.parent))
         self._lock_fd = self._take_lock(self.path.with_suffix(".lock"))
         self._ns_ids = {}
         self._open().close()
@@ -400,6 +401,10 @@ class Catalog:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
                 raise
+        # SQLite did the IO itself: the files it leaves behind are this commit's state
+        fileio.commit_point(self.path, f"{self.path}-wal")
+        fileio.acknowledge("sessions", *[(r.session_id, r.keys) for r in upserts])
+        fileio.acknowledge("sessions_dropped", *[d for (d,) in deletes])
 
     def _namespace_ids(self, db: sqlite3.Connection, namespaces: set[bytes]) -> dict[bytes, int]:
         """Ids of ``namespaces`` in the namespaces table (added as needed; inside the write's transaction)."""

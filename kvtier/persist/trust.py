@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.tiers import fileio
 
 __all__ = ["SIGNATURE_BYTES", "keys_file", "load_keys", "sign", "signing_key", "verify"]
 
@@ -70,17 +71,13 @@ def signing_key(env: Mapping[str, str] | None = None) -> bytes:
     if keys:
         return keys[0]
     path = keys_file(env)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fileio.mkdir(path.parent, mode=0o700)
     key = secrets.token_bytes(32)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    text = "# kvtier snapshot keys: the first signs, every one verifies (one hex key per line)\n" + key.hex() + "\n"
+    try:  # synced with its directory entry: a power cut must not keep snapshots signed by a lost key
+        fileio.write_small_file(path, text.encode(), exclusive=True)
     except FileExistsError:  # another process made it meanwhile: use theirs
         return load_keys(env)[0]
-    with os.fdopen(fd, "w") as fh:
-        fh.write("# kvtier snapshot keys: the first signs, every one verifies (one hex key per line)\n")
-        fh.write(key.hex() + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
     return key
 
 

@@ -12,13 +12,10 @@ whose shard it is. Versions 1 and 2 (one file per block) are still read.
 
 Direct IO: every record starts and ends on a page, so records are written and read with O_DIRECT
 from page-aligned memory; helpers here give a tensor's bytes as an aligned window when it allows
-one, and punch holes in a file (``fallocate``) where the filesystem supports it.
+one. The file operations themselves (punching holes, allocating, syncing) are ``fileio``'s.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import functools
 import mmap
 import os
@@ -31,11 +28,12 @@ from pathlib import Path
 import xxhash
 
 from kvtier.errors import StorageError
+from kvtier.tiers import fileio
 from kvtier.tiers.dram import PAGE
 
 __all__ = ["HEADER_BYTES", "MAGIC", "VERSION", "Header", "checksum", "file_bytes_for", "pack_header",
-           "unpack_header", "probe_direct_io", "punch_hole", "allocate", "bytes_view", "is_aligned_tensor",
-           "tensor_window", "fsync_dir", "StorageViews"]
+           "unpack_header", "probe_direct_io", "bytes_view", "is_aligned_tensor", "tensor_window",
+           "StorageViews"]
 
 MAGIC = b"KVTB"
 VERSION = 3
@@ -111,44 +109,17 @@ def probe_direct_io(directory: Path) -> bool:
         return False
     probe = directory / f".odirect-probe-{uuid.uuid4().hex}"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        fd = fileio.open_file(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     except OSError:
         return False
     try:
-        os.write(fd, mmap.mmap(-1, PAGE))
+        fileio.pwrite(fd, mmap.mmap(-1, PAGE), 0)
         return True
     except OSError:
         return False
     finally:
-        os.close(fd)
-        probe.unlink(missing_ok=True)
-
-
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-_libc = None
-
-
-def _fallocate():
-    """libc's ``fallocate(2)`` (Python's ``os.posix_fallocate`` cannot punch, and emulates with
-    writes where the filesystem lacks it)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    return _libc.fallocate
-
-
-def punch_hole(fd: int, offset: int, length: int) -> bool:
-    """Free ``length`` bytes at ``offset`` of an open file (they read back as zeros; the file keeps
-    its size). False when the filesystem cannot (the caller compacts instead); raises other errors."""
-    if length <= 0:
-        return True
-    if _fallocate()(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-        return False
-    raise OSError(err, os.strerror(err))
+        fileio.close(fd)
+        fileio.unlink(probe)
 
 
 def bytes_view(t) -> memoryview:
@@ -176,33 +147,6 @@ def tensor_window(t, padded: int) -> memoryview:
     offset = t.data_ptr() - storage.data_ptr()
     whole = torch.empty(0, dtype=torch.uint8).set_(storage)
     return memoryview(whole[offset : offset + padded].numpy()).cast("B")
-
-
-def allocate(fd: int, offset: int, length: int) -> bool:
-    """Reserve ``length`` bytes at ``offset`` (the file grows to cover them; they read as zeros), so
-    the direct writes that follow land inside the file and run in parallel. False when the
-    filesystem cannot (writes then extend the file themselves); raises ENOSPC and other errors."""
-    if length <= 0:
-        return True
-    if _fallocate()(fd, 0, offset, length) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EOPNOTSUPP, errno.ENOSYS):
-        return False
-    raise OSError(err, os.strerror(err))
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a directory's entries (a file created, renamed or removed in it) durable. Filesystems
-    that cannot fsync a directory (EINVAL, ENOTSUP) make its entries durable on their own."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 class StorageViews:

@@ -32,6 +32,7 @@ from kvtier.persist.snapshot.format import (
     _give_buffers,
     _take_buffer,
 )
+from kvtier.tiers import fileio
 from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.records import checksum
 
@@ -325,7 +326,7 @@ def remove_stale_temp_files(directory: str | os.PathLike[str], older_than_s: flo
             continue
         try:
             if entry.is_file(follow_symlinks=False) and now - entry.stat().st_mtime >= older_than_s:
-                os.unlink(entry.path)
+                fileio.unlink(entry.path)
                 removed += 1
         except OSError:
             continue

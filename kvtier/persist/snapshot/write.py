@@ -37,12 +37,13 @@ from kvtier.persist.snapshot.format import (
     _take_buffer,
 )
 from kvtier.persist.snapshot.read import _info_from
+from kvtier.tiers import fileio
 from kvtier.tiers.dram import PAGE, round_up
-from kvtier.tiers.records import checksum, fsync_dir
+from kvtier.tiers.records import checksum
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    written = os.pwrite(fd, view, offset)
+    written = fileio.pwrite(fd, view, offset)
     if written != len(view):
         raise OSError(errno.ENOSPC, f"short write ({written} of {len(view)} bytes)")
 
@@ -104,12 +105,12 @@ class SnapshotWriter:
         if self._in_place:
             self._tmp = self.path
             try:
-                self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+                self._fd: int | None = fileio.open_file(self.path, os.O_WRONLY | os.O_NONBLOCK)
                 if not stat.S_ISREG(os.fstat(self._fd).st_mode):
-                    os.close(self._fd)
+                    fileio.close(self._fd)
                     raise _fail(self.path, "the file handed over is not a regular file")
                 os.set_blocking(self._fd, True)
-                os.ftruncate(self._fd, 0)
+                fileio.ftruncate(self._fd, 0)
             except OSError as exc:
                 raise _fail(self.path, f"cannot write the file handed over: {exc.strerror}") from None
             self._start_buffers()
@@ -119,7 +120,7 @@ class SnapshotWriter:
         self._tmp = directory / f".{self.path.name}.tmp-{secrets.token_hex(4)}"
         try:
             direct = os.O_DIRECT if _direct_ok(directory) else 0
-            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | direct, 0o600)
+            self._fd = fileio.open_file(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | direct, 0o600)
         except OSError as exc:
             raise _fail(self.path, f"cannot create a file in {directory}: {exc.strerror}",
                         "check that the directory exists and is writable") from None
@@ -218,13 +219,14 @@ class SnapshotWriter:
             area[_PREAMBLE.size:_PREAMBLE.size + SIGNATURE_BYTES] = sign(self._sign_key, header)
         area[PREAMBLE_BYTES:] = header
         _pwrite_all(self._fd, memoryview(area), 0)
-        os.fdatasync(self._fd)
-        os.close(self._fd)
+        fileio.fdatasync(self._fd)
+        fileio.close(self._fd)
         self._fd = None
         self._release()
         if not self._in_place:
-            os.replace(self._tmp, self.path)
-            fsync_dir(self.path.parent)
+            fileio.replace(self._tmp, self.path)
+            fileio.fsync_dir(self.path.parent)
+            fileio.acknowledge("snapshot", self.path)
         return _info_from(os.fspath(self.path), json.loads(header), self._header_len, self._payload_offset,
                           self._file_len)
 
@@ -235,10 +237,10 @@ class SnapshotWriter:
         with contextlib.suppress(BaseException):
             self._wait()
         if self._fd is not None:
-            os.close(self._fd)
+            fileio.close(self._fd)
             self._fd = None
         if not self._in_place:  # a handed-over file is its owner's to remove
-            self._tmp.unlink(missing_ok=True)
+            fileio.unlink(self._tmp)
         self._release()
 
     def _release(self) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from kvtier.errors import ConfigError, StorageError
+from kvtier.tiers import fileio
 from kvtier.tiers.nvme.parts import SEGMENT_BYTES, BlockRecord, Name
 from kvtier.tiers.nvme.store import NvmeStore, scan_shards, shard_dir
 
@@ -138,13 +139,11 @@ def check_drive_list(dirs: Sequence[str], write: bool = False) -> list[str]:
                 raise ConfigError(f"--nvme-dir {other} is drive 0 of another NVMe tier",
                                   hint="give each tier its own directories")
     if write and manifest is not None and len(resolved) > 1 and not manifest.is_file():
-        Path(resolved[0]).mkdir(parents=True, exist_ok=True)
+        fileio.mkdir(resolved[0])
         tmp = manifest.with_suffix(".tmp")
-        with open(tmp, "w") as out:
-            json.dump({"drives": resolved}, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, manifest)
+        fileio.write_small_file(tmp, json.dumps({"drives": resolved}).encode())
+        fileio.replace(tmp, manifest)
+        fileio.fsync_dir(manifest.parent)
     return warnings
 
 

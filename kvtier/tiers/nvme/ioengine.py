@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvtier.errors import CorruptBlockError
+from kvtier.tiers import fileio
 from kvtier.tiers.dram import PAGE, round_up
 from kvtier.tiers.nvme.parts import MAX_RECORDS_PER_IO, _Item
-from kvtier.tiers.records import HEADER_BYTES, allocate, checksum, file_bytes_for, pack_header, unpack_header
+from kvtier.tiers.records import HEADER_BYTES, checksum, file_bytes_for, pack_header, unpack_header
 from kvtier.tiers.threads import off_forward_cores
 
 __all__ = ["IoEngine", "captured"]
@@ -111,33 +112,33 @@ class IoEngine:
                 used += padded
             vectors += [header, body]
         size = sum(file_bytes_for(len(item.data)) for item in io)
-        fd = os.open(path, os.O_WRONLY | (os.O_DIRECT if self.direct else 0))
+        fd = fileio.open_file(path, os.O_WRONLY | (os.O_DIRECT if self.direct else 0))
         try:
-            allocate(fd, io[0].extent.offset, size)  # ENOSPC here fails the run, as a short write would
-            written = os.pwritev(fd, vectors, io[0].extent.offset)
+            fileio.allocate(fd, io[0].extent.offset, size)  # ENOSPC here fails the run, as a short write would
+            written = fileio.pwritev(fd, vectors, io[0].extent.offset)
         finally:
-            os.close(fd)
+            fileio.close(fd)
         self.count("write_ios")
         if written != size:
             raise OSError(errno.ENOSPC, f"short write ({written} of {size} bytes)")
 
     def copy_run(self, path: Path, io: list[_Item]) -> None:
         """One ``pwrite`` of whole records as they are (their headers do not name their place)."""
-        fd = os.open(path, os.O_WRONLY)
+        fd = fileio.open_file(path, os.O_WRONLY)
         try:
             data = b"".join(item.buffer for item in io)
-            if os.pwrite(fd, data, io[0].extent.offset) != len(data):
+            if fileio.pwrite(fd, data, io[0].extent.offset) != len(data):
                 raise OSError(errno.ENOSPC, "short write")
         finally:
-            os.close(fd)
+            fileio.close(fd)
 
     def sync(self, path: Path) -> None:
         self.count("syncs")
-        fd = os.open(path, os.O_WRONLY)
+        fd = fileio.open_file(path, os.O_WRONLY)
         try:
-            os.fdatasync(fd)
+            fileio.fdatasync(fd)
         finally:
-            os.close(fd)
+            fileio.close(fd)
 
     def read_run(self, where: Path, io: list[_Item], fingerprint: bytes) -> list:
         """One ``preadv`` of adjacent records from ``where``; verifies each (on this thread)."""
@@ -162,7 +163,7 @@ class IoEngine:
             return [CorruptBlockError(f"NVMe tier: the file holding block {item.key.hex()[:16]} vanished",
                                       path=str(where)) for item in io]
         try:
-            got = os.preadv(fd, vectors, io[0].extent.offset)
+            got = fileio.preadv(fd, vectors, io[0].extent.offset)
         finally:
             os.close(fd)
         self.count("read_ios")

@@ -27,7 +27,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 import xxhash
 
-from kvtier.tiers.records import checksum, fsync_dir
+from kvtier.tiers import fileio
+from kvtier.tiers.records import checksum
 
 __all__ = ["Extent", "Journal", "JOURNAL_NAME"]
 
@@ -109,7 +110,7 @@ class Journal:
                 self.damaged += 1
         self.entries = whole
         if repair and len(body) % ENTRY_BYTES:  # a torn append: never acknowledged
-            os.truncate(self.path, _FILE_HEADER.size + whole * ENTRY_BYTES)
+            fileio.truncate(self.path, _FILE_HEADER.size + whole * ENTRY_BYTES)
         return live
 
     def append(self, puts: Sequence[tuple[bytes, bytes, Extent]], drops: Iterable[tuple[bytes, bytes]] = ()) -> None:
@@ -119,35 +120,35 @@ class Journal:
         if not data:
             return
         created = not self.path.exists()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = fileio.open_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             size = os.fstat(fd).st_size
             head = b"" if size else _FILE_HEADER.pack(_FILE_MAGIC, _FILE_VERSION, 0, b"")
             try:
-                _write_all(fd, head + data)
-                os.fdatasync(fd)
+                fileio.append(fd, head + data)
+                fileio.fdatasync(fd)
             except OSError:  # a partial append would shift every later entry: take it back
                 with contextlib.suppress(OSError):
-                    os.ftruncate(fd, size)
+                    fileio.ftruncate(fd, size)
                 raise
         finally:
-            os.close(fd)
+            fileio.close(fd)
         if created:
-            fsync_dir(self.path.parent)
+            fileio.fsync_dir(self.path.parent)
         self.entries += len(data) // ENTRY_BYTES
 
     def rewrite(self, live: dict[tuple[bytes, bytes], Extent]) -> None:
         """Replace the journal by one put per live block (atomically: temp file, fsync, rename)."""
         tmp = self.path.with_name(JOURNAL_NAME + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = fileio.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         try:
-            _write_all(fd, _FILE_HEADER.pack(_FILE_MAGIC, _FILE_VERSION, 0, b"")
-                       + b"".join(_entry(_PUT, ns, key, ext) for (ns, key), ext in live.items()))
-            os.fdatasync(fd)
+            fileio.append(fd, _FILE_HEADER.pack(_FILE_MAGIC, _FILE_VERSION, 0, b"")
+                          + b"".join(_entry(_PUT, ns, key, ext) for (ns, key), ext in live.items()))
+            fileio.fdatasync(fd)
         finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        fsync_dir(self.path.parent)
+            fileio.close(fd)
+        fileio.replace(tmp, self.path)
+        fileio.fsync_dir(self.path.parent)
         self.entries = len(live)
 
     def wants_rewrite(self, live: int) -> bool:
@@ -158,12 +159,6 @@ class Journal:
         if not self.path.exists():
             return None
         aside = self.path.with_name(f"{JOURNAL_NAME}.bad-{why}-{os.getpid()}")
-        os.replace(self.path, aside)
+        fileio.replace(self.path, aside)
         return aside
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 

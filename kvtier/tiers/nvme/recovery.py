@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvtier.errors import CorruptBlockError
+from kvtier.tiers import fileio
 from kvtier.tiers.dram import PAGE
 from kvtier.tiers.nvme.journal import Extent, Journal
 from kvtier.tiers.nvme.parts import _SEGMENT_NAME, Name
@@ -196,7 +197,7 @@ class ShardRecovery:
                     found[int(match.group(1))] = Path(entry.path)
                 elif entry.name.endswith(".tmp"):
                     with contextlib.suppress(OSError):
-                        os.unlink(entry.path)
+                        fileio.unlink(entry.path)
         return found
 
     def _replay(self, files: dict[int, Path], found: Recovered) -> dict[Name, Extent]:
@@ -248,7 +249,7 @@ class ShardRecovery:
         for namespace, key, nbytes, path, size in legacy_block_files(legacy_dir):
             if size != file_bytes_for(nbytes) or (namespace, key) in live:
                 if not self._readonly:
-                    path.unlink(missing_ok=True)
+                    fileio.unlink(path)
                 found.removed += size != file_bytes_for(nbytes)
                 continue
             legacy_id -= 1
@@ -277,6 +278,6 @@ class ShardRecovery:
         old = self._root / "tmp"
         if old.is_dir():
             for leftover in old.iterdir():
-                leftover.unlink(missing_ok=True)
+                fileio.unlink(leftover)
             with contextlib.suppress(OSError):
-                old.rmdir()
+                fileio.rmdir(old)

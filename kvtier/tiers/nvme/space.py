@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Iterable
 
 from kvtier.errors import CapacityError
+from kvtier.tiers import fileio
 from kvtier.tiers.nvme.journal import Extent
 from kvtier.tiers.nvme.parts import _coalesced, _Item, log
-from kvtier.tiers.records import allocate, file_bytes_for, fsync_dir, punch_hole
+from kvtier.tiers.records import file_bytes_for
 
 __all__ = ["Segment", "SegmentSpace"]
 
@@ -168,11 +169,11 @@ class SegmentSpace:
             with self._lock:
                 self._assign(items, ranges)
             for segment, start, end in ranges if allocate_now else ():
-                fd = os.open(segment.path, os.O_WRONLY)
+                fd = fileio.open_file(segment.path, os.O_WRONLY)
                 try:
-                    allocate(fd, start, end - start)
+                    fileio.allocate(fd, start, end - start)
                 finally:
-                    os.close(fd)
+                    fileio.close(fd)
         except OSError:
             self.unplace(items)
             raise
@@ -200,8 +201,7 @@ class SegmentSpace:
         seg_id = self._next_id
         self._next_id += 1
         path = self.seg_dir / f"{seg_id:08d}.kvseg"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.close(fd)
+        fileio.close(fileio.open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         self._dir_unsynced = True  # made durable before the journal first names it (sync_dir)
         segment = self.segments[seg_id] = Segment(seg_id, path, sealed=False)
         self._active = segment
@@ -215,7 +215,7 @@ class SegmentSpace:
             needed, self._dir_unsynced = self._dir_unsynced, False
         if needed:
             try:
-                fsync_dir(self.seg_dir)
+                fileio.fsync_dir(self.seg_dir)
             except OSError:
                 self._dir_unsynced = True
                 raise
@@ -273,18 +273,18 @@ class SegmentSpace:
         if not self.can_punch:
             return
         try:
-            fd = os.open(segment.path, os.O_WRONLY)
+            fd = fileio.open_file(segment.path, os.O_WRONLY)
         except FileNotFoundError:
             return
         try:
             for offset, length in _coalesced(ranges):
-                if not punch_hole(fd, offset, length):
+                if not fileio.punch_hole(fd, offset, length):
                     self.can_punch = False
                     log.info("NVMe tier: %s cannot punch holes; dropped blocks are reclaimed by compaction",
                              self.seg_dir.parent)
                     return
         finally:
-            os.close(fd)
+            fileio.close(fd)
 
     def unlink(self, segment: Segment, locked: bool = False) -> None:
         with contextlib.nullcontext() if locked else self._lock:
@@ -294,4 +294,4 @@ class SegmentSpace:
             if self._active is segment:
                 self._active = None
         with contextlib.suppress(OSError):
-            segment.path.unlink()
+            fileio.unlink(segment.path)

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from kvtier.errors import StorageError
+from kvtier.tiers import fileio
 from kvtier.tiers.nvme.compact import Compactor
 from kvtier.tiers.nvme.ioengine import IoEngine
 from kvtier.tiers.nvme.journal import Journal
@@ -117,7 +118,7 @@ class NvmeStore:
         self._lock_fd: int | None = None
         if not readonly:
             try:
-                self._seg_dir.mkdir(parents=True, exist_ok=True)
+                fileio.mkdir(self._seg_dir)
             except OSError as exc:
                 raise StorageError(f"NVMe tier: cannot use directory {self.root}: {exc.strerror}",
                                    hint="pass --nvme-dir pointing at a writable directory on a local SSD") from exc
@@ -140,7 +141,7 @@ class NvmeStore:
         file held open for writing would stop the disk being remounted read-only)."""
         path = self.root / ".lock"
         if not path.exists():
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+            fileio.close(fileio.open_file(path, os.O_WRONLY | os.O_CREAT, 0o600))
         fd = os.open(path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -153,7 +154,7 @@ class NvmeStore:
             raise StorageError(f"NVMe tier: {self.root} is in use by another kvtier process (pid {holder})",
                                hint="give each kvtier instance its own --nvme-dir") from None
         with contextlib.suppress(OSError):
-            path.write_text(f"{os.getpid()}\n")
+            fileio.write_small_file(path, f"{os.getpid()}\n".encode(), durable=False)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
         self._lock_fd = fd
@@ -296,7 +297,7 @@ class NvmeStore:
             if self._seg_dir.is_dir() and not self.space.active_vanished():
                 return False
             try:
-                self._seg_dir.mkdir(parents=True, exist_ok=True)
+                fileio.mkdir(self._seg_dir)
             except OSError:  # a read-only or missing disk: the next write says so
                 return False
             log.warning("NVMe tier: %s vanished; recreated it", self.root)
@@ -313,20 +314,20 @@ class NvmeStore:
         probe = self._seg_dir / f".probe-{uuid.uuid4().hex[:8]}"
         journal = self.locator.journal.path
         try:
-            self._seg_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fileio.mkdir(self._seg_dir)
+            fd = fileio.open_file(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.write(fd, b"kvtier")
-                os.fdatasync(fd)
+                fileio.pwrite(fd, b"kvtier", 0)
+                fileio.fdatasync(fd)
             finally:
-                os.close(fd)
-            probe.unlink()
+                fileio.close(fd)
+            fileio.unlink(probe, missing_ok=False)
             if os.path.lexists(journal):  # a commit must be able to append to the index too
                 os.close(os.open(journal, os.O_WRONLY | os.O_APPEND))
             return None
         except OSError as exc:
             with contextlib.suppress(OSError):
-                probe.unlink(missing_ok=True)
+                fileio.unlink(probe)
             return f"NVMe tier: {self.root} does not take writes: {exc.strerror or exc}"
 
     def close(self) -> None:

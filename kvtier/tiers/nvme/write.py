@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from kvtier.errors import CapacityError
+from kvtier.tiers import fileio
 from kvtier.tiers.dram import round_up
 from kvtier.tiers.nvme.ioengine import IoEngine, captured
 from kvtier.tiers.nvme.journal import Extent
@@ -67,6 +68,8 @@ class SegmentWriter:
             items = self._reserve_each(items, outcomes)
         if items:
             self._write_items(items, fingerprint, outcomes, StorageViews())
+        fileio.acknowledge("blocks", *[(ns, key) for (ns, key, _p, _c), out in zip(blocks, outcomes)
+                                       if not isinstance(out, BaseException)])
         return outcomes
 
     def _reserve_each(self, items: list[_Item], outcomes: list) -> list[_Item]:
@@ -162,5 +165,8 @@ class SegmentWriter:
 
     def delete_many(self, names: Iterable[Name]) -> int:
         """Remove blocks (one journal append for all); returns the bytes freed."""
-        return self._space.forget(self._locator.drop(names))
+        names = list(names)
+        freed = self._space.forget(self._locator.drop(names))
+        fileio.acknowledge("blocks_dropped", *names)
+        return freed
 

@@ -185,7 +185,7 @@ def test_an_entry_naming_a_punched_record_is_dropped_at_start(tmp_path):
     write_all(store, keys(4), 20_000)
     path, offset, size = store.locate(NS, b"k1")
     store.close()
-    from kvtier.tiers.records import punch_hole
+    from kvtier.tiers.fileio import punch_hole
 
     fd = os.open(path, os.O_WRONLY)
     assert punch_hole(fd, offset, size)
