@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 __all__ = ["reference_block", "run_crash_trials", "run_corruption_trials", "run_pressure", "run_hostile",
-           "run_faults_bench", "FAULT_KEYS"]
+           "run_faults_bench", "FAULT_KEYS", "SLOW_DISK_KEYS", "fault_part_keys", "run_fault_parts"]
 
 # the parts, re-exported: tests and the crash zygote (``faults._crash_child``) use them from here
 from kvtier.bench.faults_corrupt import (  # noqa: F401
@@ -192,4 +192,33 @@ def run_faults_bench(quick: bool = False, progress: Callable[[str], None] = prin
         results["_serving"] = serving
     else:
         results.update(failed_requests_under_load=None, outputs_mismatched=None)
+    return results
+
+
+# ---- power cuts and a slow disk: run on their own (``--power``, ``--slow-disk``) ----------------------
+SLOW_DISK_KEYS = ("slow_disk_ttft_vs_recompute_max", "slow_disk_failed_requests", "slow_disk_noticed_after_loads",
+                  "slow_disk_resume_s")
+
+
+def fault_part_keys(power: bool, slow_disk: bool) -> tuple[str, ...]:
+    from kvtier.bench.power.run import POWER_KEYS
+
+    return (POWER_KEYS if power else ()) + (SLOW_DISK_KEYS if slow_disk else ())
+
+
+def run_fault_parts(power: bool, slow_disk: bool, quick: bool, states: int,
+                    progress: Callable[[str], None] = print) -> dict:
+    """Power cuts (``kvtier.bench.power``: ``states`` crash states per workload) and/or a disk that
+    turns slow while ``kvtier serve`` runs sessions (``kvtier.bench.vllm.slowdisk``)."""
+    results: dict = {}
+    if power:
+        from kvtier.bench.power.run import run_power
+
+        progress(f"power cuts: {states} crash states per workload, built from recorded IO")
+        results.update(run_power(states, progress=progress, door_cost_mib=64 if quick else 1024))
+    if slow_disk:
+        from kvtier.bench.vllm.slowdisk import run_slow_disk_bench
+
+        progress("slow disk: NVMe IO slowed 10x while kvtier serve runs sessions")
+        results.update(run_slow_disk_bench(quick=quick, progress=progress))
     return results

@@ -111,10 +111,20 @@ def bench_faults(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     quick: bool = typer.Option(False, "--quick", help="20 crash and 100 corruption trials instead of 200 and 1,000."),
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include load and disk faults against kvtier serve."),
+    power: bool = typer.Option(False, "--power", help="Only power cuts: crash states built from recorded IO."),
+    slow_disk: bool = typer.Option(False, "--slow-disk",
+                                   help="Only a disk slowed 10x while kvtier serve runs sessions (real vLLM)."),
+    states: int = typer.Option(250, "--states", min=1, help="With --power: crash states per workload (--quick: 25)."),
 ) -> None:
-    """Crashes (SIGKILL), corruption, DRAM pressure, hostile input, and load with disk faults on real vLLM."""
-    from kvtier.bench.faults import FAULT_KEYS, run_faults_bench
+    """Crashes (SIGKILL), corruption, DRAM pressure, hostile input, and load with disk faults on real vLLM;
+    or, with --power and/or --slow-disk, only power cuts and a disk that turns slow while serving."""
+    from kvtier.bench.faults import FAULT_KEYS, fault_part_keys, run_fault_parts, run_faults_bench
 
+    if power or slow_disk:
+        per = min(states, 25) if quick else states
+        run_vllm_bench("kvtier bench faults", fault_part_keys(power, slow_disk),
+                       lambda progress: run_fault_parts(power, slow_disk, quick, per, progress), json_out)
+        return
     run_vllm_bench("kvtier bench faults", FAULT_KEYS,
                    lambda progress: run_faults_bench(quick=quick, progress=progress, vllm=vllm), json_out)
 

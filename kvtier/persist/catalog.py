@@ -181,6 +181,7 @@ class Catalog:
         except BaseException:
             os.close(self._lock_fd)
             raise
+        fileio.commit_point(self.path, f"{self.path}-wal")  # the schema (or what an earlier run left)
 
     # ---- opening ------------------------------------------------------------------------------
     def _take_lock(self, path: Path) -> int:

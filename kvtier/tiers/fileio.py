@@ -19,8 +19,9 @@ the write path's CPU time per GiB is the same (``kvtier bench faults --power`` m
 What "acknowledged" means, per thing kvtier keeps:
 * a block on NVMe: when its ``write_batch`` returned its size, i.e. after its record's segment
   and then the journal entry naming it were ``fdatasync``-ed (group commit);
-* a dropped block: when ``delete_many`` returned (its drop entry synced); a power cut may bring
-  back one whose drop was not acknowledged, and it is still exactly its key's bytes;
+* a dropped block: no longer owed from the moment ``delete_many`` is called (marked then); a power
+  cut may bring back one whose drop entry was not yet synced, and it is still exactly its key's
+  bytes (keys name content);
 * a snapshot: when ``SnapshotWriter.finish`` returned (file synced, renamed, directory synced);
 * a session in the catalog: when its commit returned, with SQLite's ``synchronous=NORMAL`` in
   WAL mode: a power cut may lose the last commits since SQLite last synced its WAL (the window
@@ -225,7 +226,8 @@ def unlink(path: str | os.PathLike, missing_ok: bool = True) -> None:
 
 
 def mkdir(path: str | os.PathLike, mode: int = 0o777) -> None:
-    """``path`` and its missing parents (an existing directory is fine)."""
+    """``path`` and its missing parents (an existing directory is fine), each made durable in its
+    parent."""
     path = Path(path)
     if path.is_dir():
         return
@@ -240,6 +242,7 @@ def mkdir(path: str | os.PathLike, mode: int = 0o777) -> None:
     rec = _recorder
     if rec is not None:
         rec.made_dir(path)
+    fsync_dir(path.parent)  # the new entry survives a power cut (what is made inside it hangs on it)
 
 
 def rmdir(path: str | os.PathLike) -> None:

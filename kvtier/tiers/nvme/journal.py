@@ -40,6 +40,7 @@ _ENTRY = struct.Struct("<BBHIQQ16s32s64s")  # op key_len reserved seg offset nby
 ENTRY_BYTES = _ENTRY.size + 8
 _ENTRY_SEALED = struct.Struct(_ENTRY.format + "Q")  # an entry and its checksum
 _PUT, _DROP = 1, 2
+REWRITE_SLACK = 4096  # entries beyond twice the live ones before start-up rewrites the journal compactly
 _new_extent = tuple.__new__  # Extent's own constructor without its argument handling (the replay's hot loop)
 
 
@@ -152,7 +153,7 @@ class Journal:
         self.entries = len(live)
 
     def wants_rewrite(self, live: int) -> bool:
-        return self.entries > 2 * live + 4096
+        return self.entries > 2 * live + REWRITE_SLACK
 
     def move_aside(self, why: str) -> Path | None:
         """Keep a journal that cannot be read for inspection, out of the way of a rebuilt one."""

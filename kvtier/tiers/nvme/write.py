@@ -166,7 +166,6 @@ class SegmentWriter:
     def delete_many(self, names: Iterable[Name]) -> int:
         """Remove blocks (one journal append for all); returns the bytes freed."""
         names = list(names)
-        freed = self._space.forget(self._locator.drop(names))
-        fileio.acknowledge("blocks_dropped", *names)
-        return freed
+        fileio.acknowledge("blocks_dropping", *names)  # from here a power cut may or may not keep them
+        return self._space.forget(self._locator.drop(names))
 
