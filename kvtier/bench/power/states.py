@@ -17,10 +17,9 @@ any subset of the others, torn down to 4 KiB sectors:
 * ``reorder``: as ``subset``, the kept writes applied in a shuffled order (overlapping ones land
   in either order).
 
-SQLite's files come from the catalog's commit points: the state holds those of the last commit
-before ``upto``, or of one or two before it when no checkpoint came between (``synchronous=NORMAL``
-does not sync the write-ahead log at each commit), and in ``torn`` mode the log's new bytes since
-the commit before are kept sector by sector.
+SQLite's files come from the catalog's commit points (``_commit_files``): the state holds those of
+the last commit before ``upto`` (``synchronous=FULL``: a returned commit is durable) with part of
+the next commit's log frames, the commit in flight, torn sector by sector.
 """
 from __future__ import annotations
 
@@ -130,20 +129,32 @@ def _barriers(ops: list[Op]) -> tuple[dict[int, int], dict[str, int]]:
 
 
 def _commit_files(trace: Recorder, ops: list[Op], state: CrashState, rng: random.Random) -> tuple[int, dict]:
-    """(index of the commit whose files the state holds, those files); (-1, {}) when none."""
+    """(index of the commit whose files the state holds, those files); (-1, {}) when none.
+
+    With ``synchronous=FULL`` a returned commit is durable: the state holds the last one's files,
+    and, unless every unsynced write was lost or kept, part of the next one's log frames (the
+    commit in flight). With ``NORMAL`` the log is synced only at checkpoints: one or two returned
+    commits may be lost too (where no checkpoint came between) and the last one's frames torn."""
+    from kvtier.persist.catalog import SYNCHRONOUS
+
     commits = [i for i, op in enumerate(ops) if op.kind == "commit"]
     if not commits:
         return -1, {}
-    back = state.lost_commits if state.mode not in ("all",) else 0
     chosen = len(commits) - 1
-    while back and chosen > 0 and _same_db(ops[commits[chosen - 1]], ops[commits[-1]]):
-        chosen, back = chosen - 1, back - 1
+    if SYNCHRONOUS != "FULL":
+        back = state.lost_commits if state.mode != "all" else 0
+        while back and chosen > 0 and _same_db(ops[commits[chosen - 1]], ops[commits[-1]]):
+            chosen, back = chosen - 1, back - 1
     files = dict(ops[commits[chosen]].files)
-    if state.mode == "torn" and chosen > 0:
+    if SYNCHRONOUS == "FULL":
+        following = [op for op in trace.ops[len(ops) :] if op.kind == "commit"][:1]
+        if following and state.mode in ("subset", "torn", "reorder"):
+            files.update({name: _torn_tail(files.get(name, b""), data, rng)
+                          for name, data in following[0].files.items() if name.endswith("-wal")})
+    elif state.mode == "torn" and chosen > 0:
         before = ops[commits[chosen - 1]].files
-        for name, data in files.items():
-            if name.endswith("-wal"):
-                files[name] = _torn_tail(before.get(name, b""), data, rng)
+        files.update({name: _torn_tail(before.get(name, b""), data, rng)
+                      for name, data in files.items() if name.endswith("-wal")})
     return commits[chosen], files
 
 

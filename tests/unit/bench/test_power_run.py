@@ -53,3 +53,4 @@ def test_the_cli_reports_power_cuts_as_json(tmp_path, monkeypatch):
     figures = json.loads(result.output[result.output.index("{") :])
     assert set(figures) == set(POWER_KEYS) and figures["power_states"] == 16
     assert figures["power_acked_lost"] == 0 and figures["recorder_off_cpu_bound"] < 0.02
+
