@@ -63,8 +63,14 @@ def set_slowdown(factor: float) -> None:
     _slowdown = max(1.0, float(factor))
 
 
-def _slow(started: float) -> None:
+def _io(call: Any, *args: Any) -> Any:
+    """A data IO system call, slowed by the injected factor when one is set."""
+    if _slowdown <= 1.0:
+        return call(*args)
+    started = time.perf_counter()
+    result = call(*args)
     time.sleep((_slowdown - 1.0) * (time.perf_counter() - started))
+    return result
 
 
 # ---- opening and closing ------------------------------------------------------------------------
@@ -87,10 +93,7 @@ def close(fd: int) -> None:
 
 # ---- data ---------------------------------------------------------------------------------------
 def pwritev(fd: int, buffers: Sequence[Any], offset: int) -> int:
-    started = time.perf_counter() if _slowdown > 1.0 else 0.0
-    written = os.pwritev(fd, buffers, offset)
-    if started:
-        _slow(started)
+    written = _io(os.pwritev, fd, buffers, offset)
     rec = _recorder
     if rec is not None:
         rec.wrote(fd, offset, b"".join(bytes(b) for b in buffers)[:written])
@@ -98,10 +101,7 @@ def pwritev(fd: int, buffers: Sequence[Any], offset: int) -> int:
 
 
 def pwrite(fd: int, data: Any, offset: int) -> int:
-    started = time.perf_counter() if _slowdown > 1.0 else 0.0
-    written = os.pwrite(fd, data, offset)
-    if started:
-        _slow(started)
+    written = _io(os.pwrite, fd, data, offset)
     rec = _recorder
     if rec is not None:
         rec.wrote(fd, offset, bytes(data)[:written])
@@ -120,18 +120,11 @@ def append(fd: int, data: bytes) -> None:
 
 
 def preadv(fd: int, buffers: Sequence[Any], offset: int) -> int:
-    started = time.perf_counter() if _slowdown > 1.0 else 0.0
-    got = os.preadv(fd, buffers, offset)
-    if started:
-        _slow(started)
-    return got
+    return _io(os.preadv, fd, buffers, offset)
 
 
 def fdatasync(fd: int) -> None:
-    started = time.perf_counter() if _slowdown > 1.0 else 0.0
-    os.fdatasync(fd)
-    if started:
-        _slow(started)
+    _io(os.fdatasync, fd)
     rec = _recorder
     if rec is not None:
         rec.synced(fd)
