@@ -81,6 +81,8 @@ class JobResult:
     written_behind: list[tuple[bytes, bytes, int, str]] | None = None  # write-behind reports: blocks written
     disk_ok: bool = True  # write-behind reports: the last write or probe succeeded
     shared: dict | None = None  # the worker's shared-tier report: its client's state and counters
+    nvme_read_bytes: int = 0  # NVMe bytes this job (or a disk probe, job_id < 0) read, and how long the
+    nvme_read_s: float = 0.0  # reads took: the scheduler half's cost model learns the disk's speed from them
 
     def failed_positions(self, job: "Job") -> set[int]:
         """Positions in ``job.moves`` that did not happen (all of them when the job failed as a whole)."""
@@ -106,6 +108,8 @@ class JobResult:
         if other.disk_free is not None:
             self.disk_free = other.disk_free if self.disk_free is None else min(self.disk_free, other.disk_free)
         self.disk_ok = self.disk_ok and other.disk_ok
+        self.nvme_read_bytes = max(self.nvme_read_bytes, other.nvme_read_bytes)  # per rank, as the budgets
+        self.nvme_read_s = max(self.nvme_read_s, other.nvme_read_s)
         self.rank = min(self.rank, other.rank)
         return self
 

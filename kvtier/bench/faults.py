@@ -221,4 +221,5 @@ def run_fault_parts(power: bool, slow_disk: bool, quick: bool, states: int,
 
         progress("slow disk: NVMe IO slowed 10x while kvtier serve runs sessions")
         results.update(run_slow_disk_bench(quick=quick, progress=progress))
+        results["_slow_disk_method"] = results.pop("slow_disk_method", None)
     return results

@@ -8,6 +8,7 @@ and the count of NVMe directory re-creations already reported. Talks to the tier
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvtier.codecs import transcode
@@ -65,7 +66,9 @@ class DiskMoves:
         store = self.need_store()
         targets = {i: self.staging.landing(m) for i, m in reads}
         # one batch: adjacent records (a session demoted together) come back in large reads
+        started = time.perf_counter()
         outcomes = store.read_batch([(m.namespace, m.key, targets[i]) for i, m in reads], self.fingerprint.digest)
+        result.nvme_read_s += time.perf_counter() - started  # the disk's live speed, for the cost model
         for (i, _m), outcome in zip(reads, outcomes):
             if isinstance(outcome, BaseException):
                 result.failed.append(i)
@@ -73,6 +76,7 @@ class DiskMoves:
                 result.error = str(outcome)
                 continue
             nbytes, codec = outcome
+            result.nvme_read_bytes += nbytes
             move = job.moves[i]
             move.nbytes, move.codec = nbytes, codec
             self.links.count("nvme->dram", nbytes, result)

@@ -1,10 +1,11 @@
 """Running jobs: the pools, the store fences, the jobs in flight and the results.
 
-Stores run in order on one copy thread (the host side of the copy stream), everything else on a
-small thread pool. Nothing here blocks the thread that submits: a job that reads a DRAM slot a
-store is still filling waits for that store's fence (``SlotFences``) on a mover thread. Every job
-ends in exactly one ``JobResult`` (``poll``): a failure is reported with the positions that
-failed, never swallowed. What a job does is its handler's business (``handlers``, by kind).
+Stores run in order on one copy thread (the host side of the copy stream), NVMe writes (demotions,
+flushes, drops) in order on a thread of their own, everything else on a small thread pool. Nothing
+here blocks the thread that submits: a job that reads a DRAM slot a store is still filling waits
+for that store's fence (``SlotFences``) on a mover thread. Every job ends in exactly one
+``JobResult`` (``poll``): a failure is reported with the positions that failed, never swallowed.
+What a job does is its handler's business (``handlers``, by kind).
 """
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ from kvtier.move.fences import SlotFences
 from kvtier.move.stream import CopyStream
 from kvtier.tiers.threads import off_forward_cores
 
-__all__ = ["JobRunner", "Handler", "OnDone"]
+__all__ = ["JobRunner", "Handler", "OnDone", "DISK_WRITES"]
 
 log = logging.getLogger("kvtier.move.mover")
 
 Handler = Callable[[Job, JobResult], None]
+DISK_WRITES = frozenset({JobKind.DEMOTE, JobKind.FLUSH, JobKind.DROP})  # jobs that only write the NVMe tier
 OnDone = Callable[[Job, JobResult], None]
 
 
@@ -42,6 +44,10 @@ class JobRunner:
                                        initializer=off_forward_cores)
         self.copy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-copy",  # stores, in order
                                             initializer=off_forward_cores)
+        # demotions, flushes and drops wait on the disk: their own thread, so a slow or failing disk
+        # never queues a load (or anything else the next turn waits for) behind a write
+        self.disk_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-disk-writes",
+                                            initializer=off_forward_cores)
         self._inflight: dict[int, Future] = {}  # job id -> its future, until it is done
         self._lock = threading.Lock()
 
@@ -52,7 +58,8 @@ class JobRunner:
         if job.kind == JobKind.STORE:
             return self.submit_stores([job], on_done)
         ready = self.stream.record()
-        return self._track([job], self.pool.submit(self._run_and_queue, job, ready, on_done))
+        pool = self.disk_pool if job.kind in DISK_WRITES else self.pool
+        return self._track([job], pool.submit(self._run_and_queue, job, ready, on_done))
 
     def submit_stores(self, jobs: Sequence[Job], on_done: OnDone | None = None, post: bool = True) -> Future:
         """Queue one step's STORE jobs as one batch on the copy thread: one gather for all their
@@ -117,6 +124,7 @@ class JobRunner:
     def close(self) -> None:
         self.copy_pool.shutdown(wait=True)
         self.pool.shutdown(wait=True)
+        self.disk_pool.shutdown(wait=True)
 
     # ---- on the mover threads -----------------------------------------------------------------
     def _store_batch(self, jobs: list[Job], ready: Any, fence: threading.Event, on_done: OnDone | None,

@@ -47,6 +47,7 @@ class KVTierMetadata(KVConnectorMetadata):
     flush_jobs: list[int] = field(default_factory=list)  # stores of preempted requests: done before the forward
     finish_after_stores: list[str] = field(default_factory=list)  # finished requests vLLM holds for our stores
     idle: bool = False  # the step runs no forward pass (requests only wait for transfers)
+    probe_disk: bool = False  # the cost model plans with a slow disk: probe it, to see it recover
 
 
 @dataclass
@@ -130,7 +131,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return KVTierMetadata(jobs=step.jobs, missing_blocks=step.missing, recv_now=step.recv_now,
                                   flush_jobs=step.flush_jobs, finish_after_stores=step.finish_after_stores,
                                   freed_slots=self.manager.slots.drain_freed(),
-                                  idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+                                  idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 0),
+                                  probe_disk=self._scheduler.disk.slow)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

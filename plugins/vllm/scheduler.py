@@ -37,6 +37,7 @@ from kvtier.connector_config import ConnectorConfig
 from kvtier.jobs import Job, JobKind, RankMerger
 from kvtier.layout import ModelFingerprint
 from kvtier.plan.decide import LoadCandidate, blocks_to_load, worth_keeping
+from kvtier.plan.diskwatch import DiskWatch
 from kvtier.plan.index import namespace_of
 from kvtier.plan.manager import TierManager
 from kvtier.plugins.vllm.compat import running_vllm_version, vllm_info
@@ -121,6 +122,7 @@ class KVTierScheduler:
         self.turns = TurnRecorder(self.manager, self.cost, self.decide_cost, fingerprint, self.requests)
         # the engine's steps, timed: the prefill model's samples, and how long the engine has been idle
         self.clock = EngineClock(config, self.cost, self.manager.count, self.requests, cold_dir, self._stopping)
+        self.disk = DiskWatch(self.cost, self.manager.warn).follow(self.clock)  # the worker's NVMe reads: a slow disk
         self._ranks = RankMerger(self.shards)  # a job is applied once every rank reported it
         self._stores_of: dict[str, set[int]] = {}  # request -> its STORE jobs not yet done on every rank
         self._finish_after_stores: list[str] = []  # finished, held by vLLM until their stores are done
@@ -428,6 +430,7 @@ class KVTierScheduler:
 
     def complete(self, results: list) -> None:
         for result in results:
+            self.disk.observe_result(result)  # NVMe reads of loads, promotions and probes: the disk's speed
             if result.job_id < 0 and result.shared is not None:  # a worker's shared-tier report
                 if self.shared is not None:
                     self.shared.reports[result.rank] = result.shared

@@ -67,6 +67,7 @@ class EngineClock:
         self._stopping = stopping
         self._last_step = 0.0  # monotonic time of the last step start or end: the rate refresher waits for quiet
         self._steps: deque = deque()  # (start time, prefill shape or None) of steps in flight
+        self.rates_sink: Callable[[Any], None] = cost.refresh_rates  # where re-measured rates go (DiskWatch)
         if config.rates_refresh_s > 0 and config.measure_links:
             threading.Thread(target=self._refresh_rates, args=(nvme_dir, config.rates_refresh_s),
                              name="kvtier-rates", daemon=True).start()
@@ -89,7 +90,7 @@ class EngineClock:
             except Exception as exc:  # noqa: BLE001 - keep the last good figures
                 log.warning("kvtier: link re-measurement failed (%s); keeping the last figures", exc)
                 continue
-            self.cost.refresh_rates(rates)
+            self.rates_sink(rates)
             self.count("rate_refreshes")
 
     def idle_for(self) -> float:

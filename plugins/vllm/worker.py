@@ -42,6 +42,7 @@ from kvtier.connector_config import ConnectorConfig
 from kvtier.jobs import Job, JobKind, JobResult
 from kvtier.layout import ModelFingerprint, adapter_for
 from kvtier.move.mover import Mover
+from kvtier.plugins.vllm.diskprobe import DiskProbe
 from kvtier.plugins.vllm.geometry import layout_name
 from kvtier.plugins.vllm.sleep import (
     KV_JOBS,
@@ -108,6 +109,7 @@ class KVTierWorker:
         self.mover: Mover | None = None
         self.nvme: NvmeStore | DriveSet | None = None
         self.shared = None  # this rank's client of the shared store (kvtier.tiers.shared.store)
+        self.disk_probe: DiskProbe | None = None  # probe reads while the disk is slow; the injected fault
         self._results: list[JobResult] = []
         self._load_errors: set[int] = set()
         self._applied = None
@@ -150,6 +152,8 @@ class KVTierWorker:
                 JobResult(job_id=-1, kind=JobKind.STORE, ok=True, rank=self.rank, shared=stats))
         log.info("kvtier worker rank %d/%d: %d KV layers (%s layout), DRAM arena %d MiB%s", self.rank, self.shards,
                  len(layers), adapter.name, arena.buffer.numel() >> 20, " (pinned)" if arena.pinned else "")
+        self.disk_probe = DiskProbe.start(self.nvme, self._probed, self._stopping, self.rank, lambda: {
+            "step_syncs": self.step_syncs, "idle_waits": self.idle_waits})
         window = write_behind_seconds(self.config.write_behind) if self.nvme is not None else None
         if window is not None:
             self._writer = threading.Thread(target=self._write_behind, args=(window,), name="kvtier-write-behind",
@@ -167,6 +171,11 @@ class KVTierWorker:
         self.shared = SharedStore(config, rank=self.rank)
         return {"shared": self.shared, "shared_policy": config.policy,
                 "shared_codec": resolve_codec(config.codec, geometry, "shared")}
+
+    def _probed(self, nbytes: int, seconds: float) -> None:
+        """A disk probe's read, for the scheduler half's cost model (``kvtier.plan.diskwatch``)."""
+        self.mover.post(JobResult(job_id=-1, kind=JobKind.PROMOTE, ok=True, rank=self.rank, nvme_read_bytes=nbytes,
+                                  nvme_read_s=seconds))
 
     def _write_behind(self, window: float) -> None:
         """Every tick, write the blocks that are due (in batches, oldest first); tell the scheduler
@@ -197,6 +206,8 @@ class KVTierWorker:
                     # gets the blocks past twice the window (and pinned sessions' at once), in small
                     # batches; an idle one everything due
                     idle = self.idle_for() >= QUIET_S
+                    if not idle and self.disk_probe is not None and self.disk_probe.wanted:
+                        break  # a slow disk: writes wait for an idle engine, so they never hold up a turn
                     age = window if idle else 2 * window
                     due = self.mover.dirty_due(age)
                     # nothing to write, but a write failed lately: probe, so the warning can clear
@@ -233,6 +244,8 @@ class KVTierWorker:
         if meta is self._applied or self.mover is None:
             return
         self._applied = meta
+        if self.disk_probe is not None:
+            self.disk_probe.wanted = bool(getattr(meta, "probe_disk", False))
         self.mover.forget_slots(meta.freed_slots)
         self._stale_slots.difference_update(meta.freed_slots)
 
