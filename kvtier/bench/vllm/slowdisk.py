@@ -17,7 +17,8 @@ How the disk is slowed (``method``):
 The fault file is set in both: at each phase change the worker logs its step-path counters.
 
 Keys: ``slow_disk_noticed_after_loads`` (turns that loaded from the slowed disk before the first that
-recomputed), ``slow_disk_ttft_vs_recompute_max`` (the turns after that: TTFT / reference),
+recomputed), ``slow_disk_ttft_vs_recompute_max`` (the turns after that: TTFT / the median of the slow phase's
+recompute references; ``_ttft_vs_adjacent_reference_max``: against the one timed right after each),
 ``slow_disk_failed_requests``, ``slow_disk_resume_s`` (the disk healthy again -> the start of the
 first turn that loaded from NVMe).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -55,6 +57,15 @@ class _Blkio:
     def limit(self, bps: int) -> None:  # 0: no limit
         for name in ("blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device"):
             (self.group / name).write_text(f"{self.device} {bps}")
+
+    def served_bytes(self) -> dict:
+        """Bytes the group read and wrote on the device (every process of the server, every file)."""
+        out = {}
+        for line in (self.group / "blkio.throttle.io_service_bytes").read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == self.device and parts[1] in ("Read", "Write"):
+                out[parts[1].lower()] = int(parts[2])
+        return out
 
     def close(self) -> None:
         self.limit(0)
@@ -146,11 +157,19 @@ def _figures(rows: list[dict], marks: dict, factor: float) -> dict:
             break
         loads_before += 1
     after = slow[noticed_at:] if noticed_at is not None else []
+    # a turn's recompute time: the median of the phase's references (fresh prompts of the same length,
+    # within 1%), not the one timed beside it: on 2 shared cores one prefill of 8k tokens varies by
+    # +-25%, and a max over single pairs measures that spread more than kvtier
+    reference = statistics.median([r["recompute_s"] for r in slow]) if slow else None
     recovered = [r for r in rows if r["phase"] == "recovered" and "loaded" in r]
     first_load = next((r for r in recovered if r["loaded"] > 0), None)
     return {"slow_disk_noticed_after_loads": loads_before if noticed_at is not None else None,
-            "slow_disk_ttft_vs_recompute_max": max((r["ratio"] for r in after), default=None),
+            "slow_disk_ttft_vs_recompute_max": max((r["ttft_s"] / reference for r in after), default=None),
             "slow_disk_resume_s": first_load["started"] - marks["recovered"] if first_load else None,
+            "_ttft_vs_adjacent_reference_max": max((r["ratio"] for r in after), default=None),
+            "_recompute_reference_s": reference,
+            "_recompute_reference_spread_s": [min(r["recompute_s"] for r in slow), max(r["recompute_s"] for r in slow)]
+            if slow else None,
             "_slow_loaded_ratio_max": max((r["ratio"] for r in slow[:noticed_at]), default=None)}
 
 
@@ -199,8 +218,12 @@ def run_slow_disk_bench(quick: bool = False, progress: Callable[[str], None] = p
             for name, prompt in sessions.items():
                 server.turn(name, prompt, max_tokens=1)
             rows, marks, failures = _phases(server, control, sessions, slow, factor, quick, progress)
+            admin = server.admin()
+            out["_links"] = admin.get("/v1/status").get("links")  # kvtier's own bytes, beside the group's
+            admin.close()
         finally:
             if cgroup is not None:
+                out["_blkio_bytes"] = cgroup.served_bytes()
                 cgroup.close()
             server.stop()
         log = server.log_path.read_text()
