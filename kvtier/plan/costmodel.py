@@ -2,13 +2,23 @@
 
 Predicted time to load a stored prefix into HBM:
 
-    job latency
+    round trip + job latency
     + DRAM blocks:  bytes / host->device bandwidth
     + NVMe blocks:  NVMe latency + bytes / NVMe read bandwidth + bytes / host->device bandwidth
     + lossy codecs: payload bytes / decode bandwidth
 
 (NVMe reads and the host->device copy are counted in series: the mover stages NVMe blocks through
-DRAM. That is the conservative side of the mover's real overlap.)
+DRAM. That is the conservative side of the mover's real overlap.) The round trip is what an
+asynchronous load adds to the request outside the mover: vLLM schedules the load in one step and the
+rest of the prompt only in a later one, once the worker reports the load done, so a restore pays one
+engine step without a forward pass (scheduler pass, connector metadata, the worker's report) that a
+recompute does not. The mover's own job timings never include it. Nor do they include what the
+step right after a load loses to it (on the CPU backend the load's copies leave that step slower
+than the same prefill without a load): the model measures that ratio on the restores it sees
+(``after_load_factor``), applies it to a load's tail, and keeps those steps out of the prefill fit.
+A TTFT also holds vLLM's handling of the request outside every engine step (``request_seconds``,
+measured from each request's arrival to its first scheduling): loads and recomputes pay it alike,
+so it decides nothing, but ``restore_seconds`` includes it.
 
 Predicted time to recompute ``n`` tokens that start at position ``s`` of a prompt (chunked prefill
 of the served model), fitted from the engine's own step timings:
@@ -26,7 +36,8 @@ has seen enough prefill steps to fit, every hit is loaded (what a cache does wit
 Bandwidths are measured at start (``measure_rates``) and can be capped with ``link_gbps`` (e.g.
 ``{"pcie": 3.9}``) to reproduce a slow link on any machine. While serving they are refreshed two
 ways: the mover's own DRAM loads refit the per-job latency and the per-byte cost of a load
-(``observe_load``), and the scheduler re-measures the links in the background every few minutes
+(``observe_load``; from the first one the per-byte cost, from a few of different sizes both), and
+the scheduler re-measures the links in the background every few minutes
 (``refresh_rates``), caps still applied.
 
 The same model decides what is worth keeping: a session is demoted to NVMe only when restoring it
@@ -54,7 +65,10 @@ class LinkRates:
     host_to_device_bps: float  # DRAM -> HBM (pinned copy on CUDA; memcpy into the KV cache on CPU)
     nvme_read_bps: float  # direct-IO reads from the NVMe directory
     nvme_latency_s: float = 200e-6  # first byte of a read
-    job_latency_s: float = 300e-6  # fixed cost of one load job (planning, metadata, sync)
+    job_latency_s: float = 300e-6  # fixed cost of one load job in the mover (planning, metadata, sync)
+    # the engine step an asynchronous load adds to its request (see the module docstring): ~1.3-1.5 ms
+    # on the 2-core CPU dev box (vLLM's scheduler pass and the step's bookkeeping, no forward pass)
+    round_trip_s: float = 1.5e-3
     decode_bps: float | None = None  # lossy codec decode (None: no lossy codec)
     source: dict = field(default_factory=dict, compare=False)  # how each figure was obtained
 
@@ -196,11 +210,22 @@ class CostModel:
         self.load_fit: tuple[float, float] | None = None  # (job latency s, s per byte), from ``_loads``
         self._break_even: dict[bool, tuple[object, int | None]] = {}
         self.shared_link: tuple[float, float] | None = None  # the shared store: (bytes/s, round trip s)
+        self._landed = False  # a DRAM load just finished: the next prefill step is a restore's tail
+        self._after_load: list[float] = []  # such steps' time over what the prefill model says
+        self._requests: list[tuple[float, float]] = []  # (prompt tokens, s from arrival to first scheduling)
 
     # ---- learning from the engine --------------------------------------------------------------
     def observe_prefill(self, start: int, tokens: int, seconds: float, refit_every: int = 8) -> None:
         """One step that prefilled ``tokens`` tokens from ``start`` (and nothing else) took ``seconds``."""
         if tokens <= 0 or seconds <= 0:
+            return
+        landed, self._landed = self._landed, False
+        if landed and self.prefill is not None and self._seen > self.WARMUP_STEPS:
+            # the step right after a load (a restore's tail): not a sample of plain prefill, but what
+            # the restore pays on top of it (on the CPU backend the load's copies slow it down)
+            self._after_load.append(float(seconds / self.prefill.seconds(start, tokens)))
+            del self._after_load[:-32]
+            self._break_even.clear()
             return
         self._seen += 1
         if self._seen <= self.WARMUP_STEPS:
@@ -217,15 +242,25 @@ class CostModel:
 
     def observe_load(self, nbytes: int, seconds: float) -> None:
         """A load job that moved ``nbytes`` from DRAM into HBM (no NVMe reads) took ``seconds`` in the
-        mover: the live cost of a DRAM load (copy, decode, pacing to a capped link, job overhead)."""
+        mover: the live cost of a DRAM load (copy, decode, pacing to a capped link, job overhead).
+
+        From the first such job the per-byte cost is the measured one (the job latency kept from the
+        rates): the start-up measurement copies one large buffer, a load copies a block per layer at
+        a time, and on the CPU backend it ran 5-10x slower than that measurement. Once the jobs
+        span sizes (2x apart, ``MIN_SAMPLES`` of them) latency and rate are fitted together."""
         if nbytes <= 0 or seconds <= 0:
             return
+        self._landed = True
         self._loads.append((float(nbytes), float(seconds)))
         del self._loads[:-256]
-        if len(self._loads) < self.MIN_SAMPLES:
-            return
         data = np.asarray(self._loads)
-        if data[:, 0].max() < 2 * data[:, 0].min():  # one size only: latency and rate can't be told apart
+        if len(self._loads) < self.MIN_SAMPLES or data[:, 0].max() < 2 * data[:, 0].min():
+            # too few jobs, or one size only (latency and rate can't be told apart): the rate only
+            latency = self.rates.job_latency_s
+            per_byte = float(np.median(np.maximum(data[:, 1] - latency, 0.0) / data[:, 0]))
+            if per_byte > 0:
+                self.load_fit = (latency, per_byte)
+                self._break_even.clear()
             return
         weight = 1.0 / np.maximum(data[:, 1], 1e-5)
         design = np.stack([np.ones(len(data)), data[:, 0]], axis=1)
@@ -257,6 +292,46 @@ class CostModel:
         recompute = self.recompute_seconds(start_tokens, blocks * self.block_tokens)
         return recompute is None or fetch < recompute, fetch, recompute
 
+    def round_trip_seconds(self) -> float:
+        """The engine step an asynchronous load adds to its request (``LinkRates.round_trip_s``)."""
+        return self.rates.round_trip_s
+
+    def after_load_factor(self) -> float:
+        """How much longer the step right after a load (a restore's tail) runs than the prefill model
+        predicts for its shape, measured (never below 1): the median of the last few, or, while there
+        are fewer than five, the smallest (timing noise only ever adds: one step slowed by something
+        else must not make every load look slow)."""
+        samples = self._after_load
+        if not samples:
+            return 1.0
+        return max(1.0, float(np.median(samples) if len(samples) >= 5 else min(samples)))
+
+    def observe_request(self, tokens: int, seconds: float) -> None:
+        """A request of ``tokens`` prompt tokens reached its first scheduling ``seconds`` after it
+        arrived: vLLM's handling of it outside the engine steps (input processing, block hashes),
+        which loads and recomputes pay alike, plus any queueing behind other requests."""
+        if tokens > 0 and seconds >= 0:
+            self._requests.append((float(tokens), float(seconds)))
+            del self._requests[:-64]
+
+    def request_seconds(self, tokens: int) -> float:
+        """What a request of ``tokens`` tokens spends outside the engine steps before its first one:
+        a rate per token (the lower quartile of the observed rates: queueing only ever adds). Not a
+        term of any load decision (loading and recomputing pay it alike); it completes a TTFT."""
+        rates = [s / t for t, s in self._requests if t >= 256]
+        return float(np.percentile(rates, 25)) * tokens if rates else 0.0
+
+    def restore_seconds(self, dram_blocks: int, nvme_blocks: int, prompt_tokens: int, computed_blocks: int = 0) -> \
+            float | None:
+        """The TTFT of a prompt of ``prompt_tokens`` whose first blocks are loaded (``dram_blocks``
+        then ``nvme_blocks`` after ``computed_blocks`` vLLM already holds) and the rest recomputed."""
+        if self.prefill is None:
+            return None
+        start = (computed_blocks + dram_blocks + nvme_blocks) * self.block_tokens
+        tail = float(self.prefill.seconds(start, max(prompt_tokens - start, 0)))
+        factor = self.after_load_factor() if dram_blocks + nvme_blocks > 0 else 1.0
+        return float(self.load_seconds(dram_blocks, nvme_blocks)) + tail * factor + self.request_seconds(prompt_tokens)
+
     def load_seconds(self, dram_blocks: int | np.ndarray, nvme_blocks: int | np.ndarray) -> float | np.ndarray:
         rates = self.rates
         dram = np.asarray(dram_blocks, dtype=np.float64) * self.dram_block_bytes
@@ -268,7 +343,8 @@ class CostModel:
             per_byte = 1 / rates.host_to_device_bps + (1 / rates.decode_bps if self.lossy and rates.decode_bps else 0)
         t = (dram + nvme) * per_byte + nvme / rates.nvme_read_bps
         t = t + np.where(np.asarray(nvme_blocks) > 0, rates.nvme_latency_s, 0.0)
-        t = np.where(np.asarray(dram_blocks) + np.asarray(nvme_blocks) > 0, t + latency, 0.0)
+        fixed = latency + self.round_trip_seconds()
+        t = np.where(np.asarray(dram_blocks) + np.asarray(nvme_blocks) > 0, t + fixed, 0.0)
         return float(t) if t.ndim == 0 else t
 
     def recompute_seconds(self, start_tokens: int, tokens: int) -> float | None:
@@ -288,6 +364,7 @@ class CostModel:
         load = self.load_seconds(dram, k - dram)
         start = (computed_blocks + k) * bt
         recompute = self.prefill.seconds(start, np.maximum(prompt_tokens - start, 0))
+        recompute = np.where(k > 0, recompute * self.after_load_factor(), recompute)  # the tail after a load
         total = load + recompute
         best = int(np.argmin(total))
         if total[-1] <= total[best] * (1 + self.margin):  # loading all unless clearly slower: a
@@ -329,6 +406,8 @@ class CostModel:
     def report(self) -> dict:
         r = self.rates
         return {"host_to_device_gbps": r.host_to_device_bps / GB, "nvme_read_gbps": r.nvme_read_bps / GB,
+                "round_trip_ms": self.round_trip_seconds() * 1e3, "after_load_factor": self.after_load_factor(),
+                "request_us_per_token": self.request_seconds(1_000_000),
                 "sources": dict(r.source),
                 "dram_load": None if self.load_fit is None else {
                     "job_latency_ms": self.load_fit[0] * 1e3, "gbps": 1 / self.load_fit[1] / GB,
@@ -342,9 +421,14 @@ class CostModel:
 
 
 # ---- measurements --------------------------------------------------------------------------------
+CPU_PIECE_BYTES = 64 << 10  # a CPU load copies one block of one layer at a time (tiny model: 64 KiB)
+
+
 def measure_copy_bps(nbytes: int = 64 << 20, reps: int = 3) -> tuple[float, str]:
-    """Host->device bandwidth: a pinned copy to the GPU where there is one, else a DRAM memcpy
-    (on CPU, "loading" is a copy from kvtier's pool into vLLM's KV cache)."""
+    """Host->device bandwidth: a pinned copy to the GPU where there is one, else DRAM copies in
+    pieces of ``CPU_PIECE_BYTES`` (on CPU, "loading" copies a block of a layer at a time from
+    kvtier's pool into vLLM's KV cache, each copy one call: one large memcpy measured 5-10x the
+    rate those loads reach on the CPU dev box, and the load term under-predicted short restores)."""
     import torch
 
     if torch.cuda.is_available():
@@ -359,15 +443,17 @@ def measure_copy_bps(nbytes: int = 64 << 20, reps: int = 3) -> tuple[float, str]
             torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)
         return nbytes / best, "pinned host->device copy (CUDA)"
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    pieces = max(nbytes // CPU_PIECE_BYTES, 1)
+    src = torch.empty(pieces, CPU_PIECE_BYTES, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        dst.copy_(src)
+        for i in range(pieces):
+            dst[i].copy_(src[i])
         best = min(best, time.perf_counter() - start)
-    return nbytes / best, "DRAM memcpy (no GPU)"
+    return pieces * CPU_PIECE_BYTES / best, f"DRAM copies of {CPU_PIECE_BYTES >> 10} KiB pieces (no GPU)"
 
 
 def measure_nvme_read_bps(directory: str | os.PathLike, nbytes: int = 64 << 20, chunk: int = 2 << 20) -> tuple[float,

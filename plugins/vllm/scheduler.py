@@ -122,7 +122,7 @@ class KVTierScheduler:
         self.turns = TurnRecorder(self.manager, self.cost, self.decide_cost, fingerprint, self.requests)
         # the engine's steps, timed: the prefill model's samples, and how long the engine has been idle
         self.clock = EngineClock(config, self.cost, self.manager.count, self.requests, cold_dir, self._stopping)
-        self.disk = DiskWatch(self.cost, self.manager.warn).follow(self.clock)  # the worker's NVMe reads: a slow disk
+        self.disk = DiskWatch(self.cost, self.manager.warn, shards=self.shards).follow(self.clock)  # a slow disk
         self._ranks = RankMerger(self.shards)  # a job is applied once every rank reported it
         self._stores_of: dict[str, set[int]] = {}  # request -> its STORE jobs not yet done on every rank
         self._finish_after_stores: list[str] = []  # finished, held by vLLM until their stores are done
@@ -275,6 +275,9 @@ class KVTierScheduler:
             namespace = namespace_of(self.fingerprint.digest, getattr(request, "cache_salt", None))
             state = RequestState(request, namespace, session_of(request), retain=retain_hint_of(request))
             self.requests[request.request_id] = state
+            arrival = getattr(request, "arrival_time", None)  # vLLM's handling of it until now: part of a TTFT
+            if isinstance(arrival, float) and 0 < arrival <= time.time():
+                self.cost.observe_request(int(request.num_tokens), time.time() - arrival)
         return state
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

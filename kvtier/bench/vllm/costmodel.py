@@ -1,11 +1,14 @@
 """``kvtier bench costmodel``: the cost model's predictions against measured TTFT on real vLLM.
 
-1. An engine with kvtier warms up on prompts of a few lengths; its prefill model is fitted from
-   those steps' own timings (as when serving).
+1. An engine with kvtier warms up on prompts of a few lengths, then restores two of them; its
+   prefill model is fitted from those steps' own timings, its load terms from those restores (as
+   when serving).
 2. At each length (2k, 8k, 16k): the model predicts the recompute time of a fresh prompt, then the
    prompt runs (a recompute: nothing is stored yet) and its TTFT is measured. vLLM's prefix cache
    is then reset so the same prompt must come back from kvtier's DRAM tier: the model predicts
-   that restore (load of the stored blocks + recompute of the tail) and it is measured.
+   that restore (load of the stored blocks + recompute of the tail) and it is measured: the median
+   of three restores (the prefix cache emptied before each), since one restore is tens of ms and one
+   engine step's noise on a shared 2-core box is a large share of it.
 3. Capped link: a second engine whose host->device link is capped (``link_gbps``; the worker then
    really paces its loads to the cap) so that restoring is predicted slower than recomputing. It
    starts from the first engine's prefill fit (same model, same box: what it would learn again
@@ -20,11 +23,14 @@
 """
 from __future__ import annotations
 
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 __all__ = ["run_costmodel_bench", "COSTMODEL_KEYS"]
+
+RESTORES = 3  # restores timed per length (the median counts); the prediction is made before the first
 
 COSTMODEL_KEYS = ("max_rel_error_restore", "max_rel_error_recompute", "capped_link_ttft_vs_recompute")
 
@@ -33,9 +39,27 @@ def _prompt(seed: int, tokens: int) -> list[int]:
     return [3 + (seed * 7919 + i * 131) % 1900 for i in range(tokens)]
 
 
+def _forget_hbm(engine, timeout_s: float = 60.0) -> None:
+    """Empty vLLM's prefix cache, for real. A request whose blocks kvtier is still storing stays
+    allocated until the worker reports the store done, and the worker reports only in a step: vLLM
+    refuses the reset until then (``reset_prefix_cache`` answers False), and the next prompt would
+    be a prefix-cache hit, not a restore. Step the idle engine until the reset succeeds."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not engine.llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM's prefix cache still in use after {timeout_s:.0f} s")
+        engine.llm.llm_engine.step()  # an empty step: the worker reports its finished stores
+        time.sleep(0.005)
+
+
 def _predict_restore(cost, blocks: int, prompt_tokens: int) -> float:
-    start = blocks * cost.block_tokens
-    return float(cost.load_seconds(blocks, 0)) + cost.recompute_seconds(start, prompt_tokens - start)
+    return cost.restore_seconds(blocks, 0, prompt_tokens)
+
+
+def _predict_recompute(cost, prompt_tokens: int) -> float:
+    return cost.recompute_seconds(0, prompt_tokens) + cost.request_seconds(prompt_tokens)
 
 
 def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Callable[[str], None] = print) -> dict:
@@ -54,16 +78,33 @@ def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Calla
         # remainders come at many offsets)
         for seed, n in ((1, 64), (2, 512), (7, 96), (3, 2048), (8, 200), (4, 4096), (9, 300), (5, 1536), (6, 3000)):
             engine.timed(_prompt(seed, n))
+        # and restores, as serving shows it too: the load model learns the mover's real rate and what
+        # a load adds to its request from the restores it sees (two of the prompts above, again)
+        for seed, n in ((2, 512), (6, 3000)):
+            _forget_hbm(engine)
+            engine.timed(_prompt(seed, n))
         assert cost.prefill is not None, "no prefill model after warm-up"
+        results["_model_after_warmup"] = {k: v for k, v in cost.report().items() if k != "sources"}
         errors_restore, errors_recompute = [], []
         for i, n in enumerate(lengths):
             prompt = _prompt(100 + i, n)
-            predicted_recompute = cost.recompute_seconds(0, n)
+            predicted_recompute = _predict_recompute(cost, n)
             measured_recompute, _ = engine.timed(prompt)
-            engine.forget_hbm()
+            _forget_hbm(engine)
             blocks = (n - 1) // cost.block_tokens  # the last token is always recomputed
             predicted_restore = _predict_restore(cost, blocks, n)
-            measured_restore, out = engine.timed(prompt)
+            results[f"_restore_{n}_round_trip_ms"] = cost.round_trip_seconds() * 1e3
+            results[f"_restore_{n}_after_load_factor"] = cost.after_load_factor()
+            results[f"_restore_{n}_request_ms"] = cost.request_seconds(n) * 1e3
+            results[f"_restore_{n}_load_ms"] = float(cost.load_seconds(blocks, 0)) * 1e3
+            runs = []
+            for repeat in range(RESTORES):  # a restore is tens of ms: one step's noise is a large share
+                if repeat:
+                    _forget_hbm(engine)
+                seconds, out = engine.timed(prompt)
+                runs.append(seconds)
+            measured_restore = statistics.median(runs)
+            results[f"_restore_{n}_runs_s"] = runs
             loaded = (out.kv_transfer_params or {}).get("kvtier", {}).get("loaded_tokens", 0)
             progress(f"{n} tokens: recompute {measured_recompute:.2f} s (predicted {predicted_recompute:.2f}), "
                      f"restore {measured_restore:.3f} s (predicted {predicted_restore:.3f}, loaded {loaded})")
@@ -90,7 +131,7 @@ def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Calla
         capped.connector._scheduler.cost.prefill = fitted
         prompt = _prompt(300, n)
         plain, _ = capped.timed(prompt)
-        capped.forget_hbm()
+        _forget_hbm(capped)
         again, out = capped.timed(prompt)
         counters = dict(capped.manager.counters)
         capped.close()

@@ -26,7 +26,7 @@ def scalar_load(m: CostModel, dram: int, nvme: int) -> float:
     if dram + nvme == 0:
         return 0.0
     r = m.rates
-    t = r.job_latency_s + (dram + nvme) * m.dram_block_bytes / r.host_to_device_bps
+    t = r.round_trip_s + r.job_latency_s + (dram + nvme) * m.dram_block_bytes / r.host_to_device_bps
     if nvme:
         t += r.nvme_latency_s + nvme * m.nvme_block_bytes / r.nvme_read_bps
     return t
@@ -239,17 +239,77 @@ def test_observed_dram_loads_refit_latency_and_rate():
     m = model(20, 3)  # the start-up measurement says 20 GB/s and 0.3 ms a job
     latency, per_byte = 0.002, 1 / (2 * GB)  # what the mover really does: 2 GB/s, 2 ms a job
     m.observe_load(1 << 20, latency + (1 << 20) * per_byte)
-    assert m.load_fit is None  # one sample is not a fit
+    # one job can't tell latency from rate: the rate is what it measured, the latency the rates' own
+    assert m.load_fit == pytest.approx((3e-4, (latency - 3e-4 + (1 << 20) * per_byte) / (1 << 20)), rel=1e-6)
     for blocks in (1, 4, 16, 64, 2, 32):
         nbytes = blocks * m.dram_block_bytes
         m.observe_load(nbytes, latency + nbytes * per_byte)
     assert m.load_fit == pytest.approx((latency, per_byte), rel=1e-3)
-    assert m.load_seconds(100, 0) == pytest.approx(latency + 100 * m.dram_block_bytes * per_byte, rel=1e-3)
+    round_trip = m.rates.round_trip_s  # not the mover's: the engine step the load adds (not in the jobs)
+    assert m.load_seconds(100, 0) == pytest.approx(round_trip + latency + 100 * m.dram_block_bytes * per_byte,
+                                                   rel=1e-3)
     assert m.report()["dram_load"]["gbps"] == pytest.approx(2.0, rel=1e-3)
     same_size = model(20, 3)
-    for _ in range(10):  # a single job size can't tell latency from rate: no fit, no harm
+    for _ in range(10):  # a single job size: the rate from the jobs, the latency still the rates'
         same_size.observe_load(1 << 20, 0.01)
-    assert same_size.load_fit is None
+    assert same_size.load_fit == pytest.approx((3e-4, (0.01 - 3e-4) / (1 << 20)), rel=1e-6)
+
+
+def test_a_short_restore_is_predicted_with_what_it_really_costs():
+    """A restore of 15 blocks on the CPU dev box: the mover's job took 2 ms (the start-up memcpy said
+    0.5 ms) and the request paid one more engine step than a recompute, ~1.5 ms, for the load's
+    round trip. Both are in the prediction after the first load; the tail recompute is unchanged."""
+    block = 256 << 10
+    m = model(13.6, 1.5, block_bytes=block)  # the start-up measurement: one large memcpy
+    naive = 3e-4 + 15 * block / (13.6 * GB)  # job latency + bytes / measured rate: what it used to say
+    assert m.load_seconds(15, 0) == pytest.approx(naive + m.rates.round_trip_s)
+    assert m.rates.round_trip_s >= 1e-3  # the extra engine step: a millisecond or more, not a job's 0.3 ms
+    assert m.load_seconds(0, 0) == 0.0  # recomputing everything pays no round trip
+    m.observe_load(15 * block, 2e-3)  # the first load, as the mover timed it
+    assert m.load_seconds(15, 0) == pytest.approx(2e-3 + m.rates.round_trip_s, rel=1e-6)
+    m.observe_load(63 * block, 5.6e-3)  # the next one, 4x larger: still the rate only (too few to fit)
+    per_byte = np.median([(2e-3 - 3e-4) / (15 * block), (5.6e-3 - 3e-4) / (63 * block)])
+    assert m.load_seconds(127, 0) == pytest.approx(m.rates.round_trip_s + 3e-4 + 127 * block * per_byte, rel=1e-6)
+
+
+def test_the_step_after_a_load_is_measured_and_one_slow_step_does_not_make_every_load_slow():
+    """The restore's tail step runs longer than plain prefill of the same shape: the model measures
+    by how much (a ratio: the tail of a long prompt loses more) and keeps those steps out of the
+    prefill fit. With few samples the smallest counts: one step slowed by something else must not
+    inflate every later prediction."""
+    m = model(20, 3)
+    m._seen = m.WARMUP_STEPS + 1  # past the warm-up: steps count
+    tail = TRUE.seconds(1920, 128)
+    assert m.after_load_factor() == 1.0
+    for ratio in (1.25, 9.0, 1.3):  # the middle one: a step that something else slowed down
+        m.observe_load(1 << 20, 1e-3)
+        m.observe_prefill(1920, 128, tail * ratio)
+    assert m.after_load_factor() == pytest.approx(1.25)
+    assert m.prefill is TRUE  # those steps did not feed the prefill fit
+    for ratio in (1.2, 1.3):  # five samples: the median
+        m.observe_load(1 << 20, 1e-3)
+        m.observe_prefill(1920, 128, tail * ratio)
+    assert m.after_load_factor() == pytest.approx(1.3)
+    m.observe_prefill(0, 512, TRUE.seconds(0, 512))  # a step with no load before it: plain prefill
+    assert m.after_load_factor() == pytest.approx(1.3)
+    restore = m.restore_seconds(120, 0, 120 * BT + 100)
+    assert restore == pytest.approx(m.load_seconds(120, 0) + 1.3 * TRUE.seconds(120 * BT, 100))
+    split = m.best_split(0, [True] * 120, 120 * BT + 100)
+    assert split.recompute_s == pytest.approx(1.3 * TRUE.seconds(120 * BT, 100))  # decisions see it too
+    assert m.restore_seconds(0, 0, 500) == pytest.approx(TRUE.seconds(0, 500))  # nothing loaded: no factor
+
+
+def test_what_vllm_spends_on_a_request_outside_the_steps_completes_a_ttft_and_decides_nothing():
+    m = model(20, 3)
+    split_before = m.best_split(0, [True] * 60, 60 * BT + 40)
+    for tokens, seconds in ((2048, 2.6e-3), (16384, 20e-3), (8192, 10e-3), (4096, 0.5), (300, 1.0)):
+        m.observe_request(tokens, seconds)  # 4096 tokens waited 0.5 s behind another request
+    assert m.request_seconds(10_000) == pytest.approx(10_000 * np.percentile([2.6e-3 / 2048, 20e-3 / 16384,
+                                                                              10e-3 / 8192, 0.5 / 4096], 25))
+    assert m.request_seconds(10_000) < 15e-3  # the queued one does not set the rate
+    assert m.best_split(0, [True] * 60, 60 * BT + 40) == split_before
+    assert m.restore_seconds(60, 0, 60 * BT + 40) == pytest.approx(
+        m.load_seconds(60, 0) + TRUE.seconds(60 * BT, 40) + m.request_seconds(60 * BT + 40))
 
 
 def test_refreshed_rates_move_the_break_even():
