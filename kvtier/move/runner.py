@@ -22,12 +22,18 @@ from kvtier.move.fences import SlotFences
 from kvtier.move.stream import CopyStream
 from kvtier.tiers.threads import off_forward_cores
 
-__all__ = ["JobRunner", "Handler", "OnDone", "DISK_WRITES"]
+__all__ = ["JobRunner", "Handler", "OnDone", "DISK_WRITES", "writes_disk"]
 
 log = logging.getLogger("kvtier.move.mover")
 
 Handler = Callable[[Job, JobResult], None]
 DISK_WRITES = frozenset({JobKind.DEMOTE, JobKind.FLUSH, JobKind.DROP})  # jobs that only write the NVMe tier
+
+
+def writes_disk(job: Job) -> bool:
+    """Whether ``job`` writes or deletes NVMe records by name: those run in order on one thread, so a
+    drop planned before a restore (or fetch) of the same key never deletes the copy it writes."""
+    return job.kind in DISK_WRITES or bool(job.drops) or any(move.to_nvme for move in job.moves)
 OnDone = Callable[[Job, JobResult], None]
 
 
@@ -58,7 +64,7 @@ class JobRunner:
         if job.kind == JobKind.STORE:
             return self.submit_stores([job], on_done)
         ready = self.stream.record()
-        pool = self.disk_pool if job.kind in DISK_WRITES else self.pool
+        pool = self.disk_pool if writes_disk(job) else self.pool
         return self._track([job], pool.submit(self._run_and_queue, job, ready, on_done))
 
     def submit_stores(self, jobs: Sequence[Job], on_done: OnDone | None = None, post: bool = True) -> Future:

@@ -185,6 +185,7 @@ class Catalog:
             os.close(self._lock_fd)
             raise
         fileio.commit_point(self.path, f"{self.path}-wal")  # the schema (or what an earlier run left)
+        fileio.fsync_dir(directory)  # SQLite syncs its log's directory entry, not the database's
 
     # ---- opening ------------------------------------------------------------------------------
     def _take_lock(self, path: Path) -> int:

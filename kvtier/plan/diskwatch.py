@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -37,6 +38,7 @@ __all__ = ["DiskWatch", "SLOW_RATIO", "WINDOW"]
 log = logging.getLogger("kvtier.connector")
 
 SLOW_RATIO = 3.0  # reads this many times slower than measured (median of the window): a slow disk
+HEALTHY_RATIO = 1.5  # ... and back under this: healthy again (between the two, as it was: no flapping)
 WINDOW = 3  # the last reads the median is taken over
 
 
@@ -45,8 +47,11 @@ class DiskWatch:
     message)``: the manager's lasting warning (None clears it). ``clock``: for the change log."""
 
     def __init__(self, cost: "CostModel", warn: Callable[[str, str | None], None] | None = None,
-                 window: int = WINDOW, slow_ratio: float = SLOW_RATIO, clock: Callable[[], float] = time.monotonic):
+                 window: int = WINDOW, slow_ratio: float = SLOW_RATIO, clock: Callable[[], float] = time.monotonic,
+                 shards: int = 1):
         self.cost, self.warn, self.slow_ratio, self.clock = cost, warn, slow_ratio, clock
+        self.shards = max(1, shards)  # tensor-parallel ranks reading their shards from the disk at once
+        self._lock = threading.Lock()  # the scheduler's results and the rates thread's re-measurements
         self.measured: "LinkRates" = cost.rates  # the reference: the last measurement (caps applied)
         self.ratios: deque[float] = deque(maxlen=window)
         self.slowdown = 1.0  # what the cost model plans with now (1: the measured figures)
@@ -65,22 +70,32 @@ class DiskWatch:
     def observe_result(self, result: Any) -> None:
         """A worker's result: its NVMe reads, if it made any."""
         nbytes, seconds = getattr(result, "nvme_read_bytes", 0), getattr(result, "nvme_read_s", 0.0)
-        if nbytes > 0 and seconds > 0:
-            self.observe(nbytes, seconds)
+        if nbytes > 0 and seconds > 0 and getattr(result, "rank", 0) == 0:  # one rank for all: they read
+            self.observe(nbytes * self.shards, seconds)  # their shards at once, sharing the disk
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """``nbytes`` read from the NVMe tier in ``seconds``."""
         if nbytes <= 0 or seconds <= 0:
             return
-        self.reads += 1
-        self.ratios.append(seconds / self.predicted_s(nbytes))
-        median = statistics.median(self.ratios)
-        self._plan(median if median >= self.slow_ratio else 1.0)
+        with self._lock:
+            self.reads += 1
+            self.ratios.append(seconds / self.predicted_s(nbytes))
+            median = statistics.median(self.ratios)
+            threshold = HEALTHY_RATIO if self.slow else self.slow_ratio
+            self._plan(median if median >= threshold else 1.0)
 
     def measured_rates(self, rates: "LinkRates") -> None:
-        """A fresh measurement of the links (the background re-measurement): the new reference."""
-        self.measured = rates
-        self._apply()
+        """A fresh measurement of the links (the background re-measurement): the new reference, except
+        that while the disk is slow a slower NVMe figure is the slow disk measured, not a new healthy
+        one: the healthy reference stays (else the slowdown would vanish while the disk is still slow)."""
+        with self._lock:
+            if self.slow and rates.nvme_read_bps < self.measured.nvme_read_bps:
+                rates = replace(rates, nvme_read_bps=self.measured.nvme_read_bps,
+                                nvme_latency_s=self.measured.nvme_latency_s,
+                                source=dict(rates.source, nvme_read_bps=self.measured.source.get("nvme_read_bps",
+                                                                                             "measured")))
+            self.measured = rates
+            self._apply()
 
     def follow(self, clock: Any) -> "DiskWatch":
         """Take the background re-measurements of ``clock`` (an ``EngineClock``) as the reference."""

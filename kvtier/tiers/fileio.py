@@ -85,10 +85,10 @@ def open_file(path: str | os.PathLike, flags: int, mode: int = 0o600) -> int:
 
 
 def close(fd: int) -> None:
-    os.close(fd)
     rec = _recorder
-    if rec is not None:
+    if rec is not None:  # before the number is free: another thread's open may get it at once
         rec.closed(fd)
+    os.close(fd)
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -124,17 +124,19 @@ def preadv(fd: int, buffers: Sequence[Any], offset: int) -> int:
 
 
 def fdatasync(fd: int) -> None:
-    _io(os.fdatasync, fd)
     rec = _recorder
+    began = rec.sync_begins() if rec is not None else 0  # a sync covers what was written before it began
+    _io(os.fdatasync, fd)
     if rec is not None:
-        rec.synced(fd)
+        rec.synced(fd, began)
 
 
 def fsync(fd: int) -> None:
-    os.fsync(fd)
     rec = _recorder
+    began = rec.sync_begins() if rec is not None else 0
+    os.fsync(fd)
     if rec is not None:
-        rec.synced(fd)
+        rec.synced(fd, began)
 
 
 def ftruncate(fd: int, size: int) -> None:
@@ -220,12 +222,13 @@ def unlink(path: str | os.PathLike, missing_ok: bool = True) -> None:
 
 def mkdir(path: str | os.PathLike, mode: int = 0o777) -> None:
     """``path`` and its missing parents (an existing directory is fine), each made durable in its
-    parent."""
+    parent where the parent can be opened to sync it. ``mode``: the last directory's (parents get
+    the default, as ``Path.mkdir(parents=True)`` gives them)."""
     path = Path(path)
     if path.is_dir():
         return
     if not path.parent.is_dir():
-        mkdir(path.parent, mode)
+        mkdir(path.parent)
     try:
         os.mkdir(path, mode)
     except FileExistsError:
@@ -235,7 +238,10 @@ def mkdir(path: str | os.PathLike, mode: int = 0o777) -> None:
     rec = _recorder
     if rec is not None:
         rec.made_dir(path)
-    fsync_dir(path.parent)  # the new entry survives a power cut (what is made inside it hangs on it)
+    try:
+        fsync_dir(path.parent)  # the new entry survives a power cut (what is made inside it hangs on it)
+    except PermissionError:  # a parent we may enter but not read (0711): its entries are its owner's
+        pass
 
 
 def rmdir(path: str | os.PathLike) -> None:
@@ -248,6 +254,8 @@ def rmdir(path: str | os.PathLike) -> None:
 def fsync_dir(directory: str | os.PathLike) -> None:
     """Make a directory's entries (a file created, renamed or removed in it) durable. Filesystems
     that cannot fsync a directory (EINVAL, ENOTSUP) make its entries durable on their own."""
+    rec = _recorder
+    began = rec.sync_begins() if rec is not None else 0
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -256,16 +264,16 @@ def fsync_dir(directory: str | os.PathLike) -> None:
             raise
     finally:
         os.close(fd)
-    rec = _recorder
     if rec is not None:
-        rec.synced_dir(directory)
+        rec.synced_dir(directory, began)
 
 
-def write_small_file(path: str | os.PathLike, data: bytes, exclusive: bool = False, durable: bool = True) -> None:
+def write_small_file(path: str | os.PathLike, data: bytes, exclusive: bool = False, durable: bool = True,
+                     mode: int = 0o600) -> None:
     """A small file written whole (a lock's pid, a manifest, a key): with ``durable``, synced and
     its directory entry too. ``exclusive``: FileExistsError when it exists."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
-    fd = open_file(path, flags, 0o600)
+    fd = open_file(path, flags, mode)
     try:
         pwrite(fd, data, 0)
         if durable:

@@ -56,8 +56,9 @@ class DiskProbe:
 
     def __init__(self, directory: Path | None, report: Callable[[int, float], None], rank: int = 0,
                  environ: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic,
-                 stats: Callable[[], dict] | None = None):
+                 stats: Callable[[], dict] | None = None, drives: int = 1):
         environ = os.environ if environ is None else environ
+        self.drives = max(1, drives)  # loads read every drive at once; a probe reads the first only
         self.fault_file = environ.get(FAULT_ENV) or None
         self.directory, self.report, self.clock, self.stats = directory, report, clock, stats
         self.path = directory / f".kvtier-read-probe-{rank}" if directory is not None else None
@@ -76,7 +77,8 @@ class DiskProbe:
         there is a disk to probe or a fault file to poll."""
         roots = getattr(store, "roots", None)
         directory = Path(roots[0]) if roots else getattr(store, "root", None)
-        probe = cls(Path(directory) if directory is not None else None, report, rank, stats=stats)
+        probe = cls(Path(directory) if directory is not None else None, report, rank, stats=stats,
+                    drives=len(roots) if roots else 1)
         if probe.directory is None and probe.fault_file is None:
             return None
         threading.Thread(target=probe.run, args=(stopping,), name="kvtier-disk-probe", daemon=True).start()
@@ -102,7 +104,7 @@ class DiskProbe:
                 log.debug("kvtier: disk probe: %s", exc)
                 return
             self.probes += 1
-            self.report(nbytes, seconds)
+            self.report(nbytes * self.drives, seconds)  # as much as a load reads in that time from all drives
 
     def poll_fault(self) -> None:
         """Apply the fault file's slowdown if the file changed (missing: no fault)."""
@@ -132,6 +134,7 @@ class DiskProbe:
 
         if self._buffer is None:
             self._buffer = mmap.mmap(-1, PROBE_BYTES)  # page-aligned: O_DIRECT takes it as it is
+            self._buffer.write(os.urandom(PROBE_BYTES))  # not zeros: a compressing filesystem must read it
         if self._direct is None:
             self._direct = os.O_DIRECT if probe_direct_io(self.path.parent) else 0
         direct = self._direct

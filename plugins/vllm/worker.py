@@ -110,6 +110,7 @@ class KVTierWorker:
         self.nvme: NvmeStore | DriveSet | None = None
         self.shared = None  # this rank's client of the shared store (kvtier.tiers.shared.store)
         self.disk_probe: DiskProbe | None = None  # probe reads while the disk is slow; the injected fault
+        self._probe_sample: tuple[int, float] | None = None  # the latest probe read, not yet reported
         self._results: list[JobResult] = []
         self._load_errors: set[int] = set()
         self._applied = None
@@ -173,9 +174,10 @@ class KVTierWorker:
                 "shared_codec": resolve_codec(config.codec, geometry, "shared")}
 
     def _probed(self, nbytes: int, seconds: float) -> None:
-        """A disk probe's read, for the scheduler half's cost model (``kvtier.plan.diskwatch``)."""
-        self.mover.post(JobResult(job_id=-1, kind=JobKind.PROMOTE, ok=True, rank=self.rank, nvme_read_bytes=nbytes,
-                                  nvme_read_s=seconds))
+        """A disk probe's read, for the scheduler half's cost model (``kvtier.plan.diskwatch``): the
+        latest only, handed over with the next step's results (an idle engine takes no steps: a
+        backlog of stale probes would plan its next turn with them)."""
+        self._probe_sample = (nbytes, seconds)
 
     def _write_behind(self, window: float) -> None:
         """Every tick, write the blocks that are due (in batches, oldest first); tell the scheduler
@@ -470,6 +472,10 @@ class KVTierWorker:
 
     def take_results(self) -> list[JobResult]:
         results, self._results = self._results, []
+        sample, self._probe_sample = self._probe_sample, None
+        if sample is not None:
+            results.append(JobResult(job_id=-1, kind=JobKind.PROMOTE, ok=True, rank=self.rank,
+                                     nvme_read_bytes=sample[0], nvme_read_s=sample[1]))
         if self.mover is not None:
             results.extend(self.mover.poll())
         return results

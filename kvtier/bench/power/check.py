@@ -39,6 +39,15 @@ class Acked:
     sessions: dict = field(default_factory=dict)  # session id -> its keys when last committed
 
 
+def in_flight_sessions(later: list[Op]) -> dict[str, bytes]:
+    """The sessions the commit in flight at the cut was writing (its puts, acknowledged just after):
+    with its log frames all written, a power cut may keep it."""
+    for op in later:
+        if op.kind == "ack" and op.what == "sessions" and any(change == "put" for change, _s, _k in op.items):
+            return {sid: keys for change, sid, keys in op.items if change == "put"}
+    return {}
+
+
 def acked_before(ops: list[Op]) -> Acked:
     acked = Acked()
     for op in ops:
@@ -116,7 +125,7 @@ def _check_room(store, capacity: int, out: Counter, causes: list, label: str) ->
 
 
 def check_engine(directory: Path, acked: Acked, tokens: dict, dram_blocks: int, nvme_blocks: int, label: str,
-                 causes: list) -> Counter:
+                 causes: list, in_flight: dict[str, bytes] | None = None) -> Counter:
     """An engine workload's state: restart the engine, load every visible block, check the catalog
     and the snapshots."""
     from kvtier.bench.faults_world import World
@@ -139,7 +148,7 @@ def check_engine(directory: Path, acked: Acked, tokens: dict, dram_blocks: int, 
         causes += [f"{label}: acknowledged block {k.hex()[:12]} lost" for k in sorted(lost)]
         out["acked_checked"] += len(durable)
         out["window_losses"] += len((acked.stored - durable) - visible)
-        _check_catalog(world, acked, tokens, out, causes, label)
+        _check_catalog(world, acked, tokens, out, causes, label, in_flight or {})
         _check_snapshots(world, acked, out, causes, label)
         _check_room(world.engine.nvme, nvme_blocks * _record_bytes(world), out, causes, label)
     finally:
@@ -171,7 +180,8 @@ def _load_all(world, keys: list[bytes]) -> tuple[list[bytes], set[bytes]]:
     return wrong, unreadable
 
 
-def _check_catalog(world, acked: Acked, tokens: dict, out: Counter, causes: list, label: str) -> None:
+def _check_catalog(world, acked: Acked, tokens: dict, out: Counter, causes: list, label: str,
+                   in_flight: dict[str, bytes]) -> None:
     from kvtier.bench.faults_world import SHAPE
     from kvtier.persist.catalog import decode_tokens
     from kvtier.plan.index import chain_block_hashes
@@ -185,6 +195,10 @@ def _check_catalog(world, acked: Acked, tokens: dict, out: Counter, causes: list
         truth = tokens.get(sid)
         chained = chain_block_hashes(ids, SHAPE[3])[: len(keys)]
         right = truth is not None and ids == truth[: len(ids)] and keys == chained
+        committed = {acked.sessions.get(sid), in_flight.get(sid)} - {None}
+        out["catalog_versions_checked"] += bool(committed)
+        if right and committed and b"".join(keys) not in committed:  # an older version came back
+            right = False
         if not right:
             out["catalog_wrong"] += 1
             causes.append(f"{label}: catalog entry {sid} does not match what was stored for it")
@@ -218,9 +232,27 @@ def _check_snapshots(world, acked: Acked, out: Counter, causes: list, label: str
                 out["acked_lost"] += 1
                 causes.append(f"{label}: acknowledged snapshot {name} does not verify")
             continue
+        keys = [b.key for b in info.blocks]
+        wrong = _wrong_in_file(world, info, keys)  # the file itself, block by block
         world.engine.restore(path)
-        _n, wrong = world.load_and_check([b.key for b in info.blocks])
+        loaded, wrong_loaded = world.load_and_check(keys)  # and through a restore and a load
         out["snapshots_checked"] += 1
-        out["wrong_bytes"] += len(wrong)
-        if wrong:
-            causes.append(f"{label}: snapshot {name} restored {len(wrong)} blocks with wrong bytes")
+        out["wrong_bytes"] += len(wrong) + len(wrong_loaded)
+        if wrong or wrong_loaded:
+            causes.append(f"{label}: snapshot {name} holds or restored {len(wrong) + len(wrong_loaded)} wrong blocks")
+        if loaded < len(keys) and name in owed:
+            out["acked_lost"] += 1
+            causes.append(f"{label}: acknowledged snapshot {name} restored {loaded} of {len(keys)} blocks")
+
+
+def _wrong_in_file(world, info, keys: list[bytes]) -> list[bytes]:
+    import torch
+
+    from kvtier.bench.faults_world import reference_block
+    from kvtier.persist.snapshot.read import read_blocks
+
+    wrong = []
+    for index, payload in read_blocks(info, world.fingerprint):
+        if bytes(payload) != reference_block(keys[index], world.geometry).view(torch.int16).numpy().tobytes():
+            wrong.append(keys[index])
+    return wrong

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from kvtier.bench.power.check import acked_before, check_engine, check_store
+from kvtier.bench.power.check import acked_before, check_engine, check_store, in_flight_sessions
 from kvtier.bench.power.states import build, materialize, sample_states
 from kvtier.bench.power.workloads import WORKLOADS, record
 
@@ -37,7 +37,8 @@ def _check_state(recorded, state, work: Path, causes: list) -> Counter:
     label = f"{recorded.name} ({state.label()})"
     if recorded.world == "store":
         return check_store(target, acked, recorded.capacity, label, causes)
-    return check_engine(target, acked, recorded.tokens, recorded.dram_blocks, recorded.nvme_blocks, label, causes)
+    return check_engine(target, acked, recorded.tokens, recorded.dram_blocks, recorded.nvme_blocks, label, causes,
+                        in_flight_sessions(recorded.trace.ops[state.upto :]))
 
 
 def run_power(states_per_workload: int = 250, seed: int = 0, directory: Path | None = None,

@@ -118,13 +118,15 @@ class Image:
 
 
 def _barriers(ops: list[Op]) -> tuple[dict[int, int], dict[str, int]]:
+    """Per file and per directory: the ops before this index are covered by a sync that returned
+    (one covers what was recorded before it began, not what finished while it ran)."""
     last_fsync: dict[int, int] = {}
     last_dsync: dict[str, int] = {}
-    for i, op in enumerate(ops):
+    for op in ops:
         if op.kind == "fsync":
-            last_fsync[op.ino] = i
+            last_fsync[op.ino] = max(last_fsync.get(op.ino, 0), op.offset)
         elif op.kind == "dsync":
-            last_dsync[op.path] = i
+            last_dsync[op.path] = max(last_dsync.get(op.path, 0), op.offset)
     return last_fsync, last_dsync
 
 
@@ -214,8 +216,15 @@ def build(trace: Recorder, state: CrashState) -> Image:
         inodes.setdefault(op.ino, FileImage()).apply(op, pieces)
     files = {name: inodes.setdefault(ino, FileImage()) for name, ino in names.items()
              if os.path.dirname(name) in dirs}
-    sqlite = {name: data for name, data in sqlite.items() if os.path.dirname(name) in dirs and name not in files}
+    sqlite = {name: data for name, data in sqlite.items() if os.path.dirname(name) in dirs and name not in files
+              and (state.mode == "all" or _entry_synced(ops, name, last_dsync) or rng.random() < 0.5)}
     return Image(files, dirs, sqlite)
+
+
+def _entry_synced(ops: list[Op], name: str, last_dsync: dict[str, int]) -> bool:
+    """Whether a file SQLite made (seen first at a commit point) has its directory entry synced."""
+    first = next((i for i, op in enumerate(ops) if op.kind == "commit" and op.files.get(name)), None)
+    return first is not None and last_dsync.get(os.path.dirname(name), -1) > first
 
 
 def _name_op(op: Op, names: dict[str, int], dirs: set[str], sqlite: dict[str, bytes]) -> None:

@@ -37,7 +37,7 @@ class Op:
     ino: int = 0  # the file of a data op, a create or an fsync
     path: str = ""  # relative to the root: a name op's (source) name, a dsync's directory
     dst: str = ""  # a rename's target
-    offset: int = 0
+    offset: int = 0  # a write's; for fsync and dsync, where the sync began: it covers the ops before it
     length: int = 0  # alloc, punch: the range; trunc: the new size
     data: bytes = b""  # a write's bytes
     what: str = ""  # ack: the kind of thing acknowledged
@@ -130,8 +130,14 @@ class Recorder:
     def wrote(self, fd: int, offset: int, data: bytes) -> None:
         self._file_op(fd, Op("write", offset=offset, data=data))
 
-    def synced(self, fd: int) -> None:
-        self._file_op(fd, Op("fsync"))
+    def sync_begins(self) -> int:
+        """Where a sync starts in the trace: it covers only what was recorded before this point
+        (a write another thread finishes while the sync runs may or may not be covered)."""
+        with self._lock:
+            return len(self.ops)
+
+    def synced(self, fd: int, began: int) -> None:
+        self._file_op(fd, Op("fsync", offset=began))
 
     def allocated(self, fd: int, offset: int, length: int) -> None:
         self._file_op(fd, Op("alloc", offset=offset, length=length))
@@ -171,11 +177,11 @@ class Recorder:
             with self._lock:
                 self._add(Op("mkdir", path=rel))
 
-    def synced_dir(self, path: str | os.PathLike) -> None:
+    def synced_dir(self, path: str | os.PathLike, began: int) -> None:
         rel = self._rel(path)
         if rel is not None:
             with self._lock:
-                self._add(Op("dsync", path=rel))
+                self._add(Op("dsync", path=rel, offset=began))
 
     def acknowledged(self, what: str, items: tuple) -> None:
         with self._lock:
@@ -206,7 +212,7 @@ class Recorder:
             for name in [n for n in self._names if n == rel or n.startswith(prefix)]:
                 del self._names[name]
             self._add(Op("unlink", path=rel))
-            self._add(Op("dsync", path=os.path.dirname(rel)))
+            self._add(Op("dsync", path=os.path.dirname(rel), offset=len(self.ops)))
 
     def acks(self, upto: int | None = None) -> list[Op]:
         return [op for op in self.ops[:upto] if op.kind == "ack"]

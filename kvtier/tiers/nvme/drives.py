@@ -141,7 +141,7 @@ def check_drive_list(dirs: Sequence[str], write: bool = False) -> list[str]:
     if write and manifest is not None and len(resolved) > 1 and not manifest.is_file():
         fileio.mkdir(resolved[0])
         tmp = manifest.with_suffix(".tmp")
-        fileio.write_small_file(tmp, json.dumps({"drives": resolved}).encode())
+        fileio.write_small_file(tmp, json.dumps({"drives": resolved}).encode(), mode=0o644)
         fileio.replace(tmp, manifest)
         fileio.fsync_dir(manifest.parent)
     return warnings

@@ -78,3 +78,17 @@ def test_held_disk_writes_never_queue_a_load(tmp_path):
     eng.mover.adapter.gather(layers, [0, 1, 2, 3], ref)
     assert torch.equal(out, ref)
     eng.close(write_back=False)
+
+
+def test_a_restore_that_writes_the_disk_waits_behind_a_drop_planned_before_it(tmp_path):
+    """Jobs that write or delete NVMe records by name run in order on the disk thread: a restore of
+    a key to NVMe (or any job with drops) never overtakes a drop of that key held up by the disk."""
+    from kvtier.jobs import BlockMove, Job
+    from kvtier.move.runner import writes_disk
+
+    move = BlockMove(0, b"\1" * 16, b"k", dram_slot=0)
+    assert writes_disk(Job(1, JobKind.DROP)) and writes_disk(Job(2, JobKind.DEMOTE))
+    assert writes_disk(Job(3, JobKind.RESTORE, moves=[BlockMove(0, b"\1" * 16, b"k", to_nvme=True)]))
+    assert writes_disk(Job(4, JobKind.FETCH, drops=[move]))
+    assert not writes_disk(Job(5, JobKind.RESTORE, moves=[move]))  # into DRAM only: not behind the disk
+    assert not writes_disk(Job(6, JobKind.LOAD, moves=[move]))

@@ -18,7 +18,7 @@ PREFILL = PrefillModel(overhead_s=0.01, per_token_s=50e-6, attention_s=1e-10)
 MEASURED = LinkRates(20 * GB, 1.0 * GB, nvme_latency_s=2e-4, job_latency_s=3e-4, source={"nvme_read_bps": "O_DIRECT"})
 
 
-def watch(clock=None) -> tuple[DiskWatch, CostModel, dict]:
+def watch(clock=None, shards: int = 1) -> tuple[DiskWatch, CostModel, dict]:
     cost = CostModel(MEASURED, BT, BLOCK, BLOCK, prefill=PREFILL)
     warnings: dict[str, str] = {}
 
@@ -28,7 +28,7 @@ def watch(clock=None) -> tuple[DiskWatch, CostModel, dict]:
         else:
             warnings.pop(name, None)
 
-    return DiskWatch(cost, warn, clock=clock or FakeClock()), cost, warnings
+    return DiskWatch(cost, warn, clock=clock or FakeClock(), shards=shards), cost, warnings
 
 
 def read_s(nbytes: int, slowdown: float) -> float:
@@ -123,3 +123,42 @@ def test_rank_results_merge_their_read_times():
     b = JobResult(job_id=1, kind=JobKind.LOAD, ok=True, rank=1, nvme_read_bytes=4 << 20, nvme_read_s=0.05)
     merged = a.merge(b)
     assert merged.nvme_read_bytes == 4 << 20 and merged.nvme_read_s == 0.05  # the slower rank's shard
+
+
+def test_between_the_two_thresholds_the_disk_stays_as_it_was():
+    """Slow from 3x, healthy again under 1.5x: a disk whose reads wobble around 2x (a write in flight
+    beside them) neither enters nor leaves the slow state on that."""
+    dw, cost, _warnings = watch()
+    for _ in range(3):
+        dw.observe(16 << 20, read_s(16 << 20, 2.2))
+    assert not dw.slow
+    for _ in range(3):
+        dw.observe(16 << 20, read_s(16 << 20, 20.0))
+    assert dw.slow
+    for _ in range(3):
+        dw.observe(16 << 20, read_s(16 << 20, 2.2))
+    assert dw.slow and dw.slowdown == pytest.approx(2.2)  # still planned as slow, at what it measures
+    for _ in range(2):
+        dw.observe(16 << 20, read_s(16 << 20, 1.0))
+    assert not dw.slow and cost.rates == MEASURED
+
+
+def test_a_slow_re_measurement_during_a_slow_episode_keeps_the_healthy_reference():
+    """A real slow disk slows the background re-measurement too: taken as the new reference, it would
+    make the slow reads look healthy and end the episode while the disk is still slow."""
+    dw, cost, _warnings = watch()
+    for _ in range(2):
+        dw.observe(16 << 20, read_s(16 << 20, 50.0))
+    slow_measurement = LinkRates(20 * GB, MEASURED.nvme_read_bps / 50, nvme_latency_s=1e-2, job_latency_s=3e-4)
+    dw.measured_rates(slow_measurement)
+    assert dw.measured.nvme_read_bps == MEASURED.nvme_read_bps
+    dw.observe(16 << 20, read_s(16 << 20, 50.0))
+    assert dw.slow and cost.rates.nvme_read_bps == pytest.approx(MEASURED.nvme_read_bps / 50)
+
+
+def test_tensor_parallel_ranks_count_once_for_the_disk_they_share():
+    dw, _cost, _warnings = watch(shards=4)
+    for rank in range(4):  # each rank read its quarter in the time the disk takes for all four
+        dw.observe_result(JobResult(job_id=1, kind=JobKind.LOAD, ok=True, rank=rank, nvme_read_bytes=4 << 20,
+                                    nvme_read_s=read_s(16 << 20, 1.0)))
+    assert dw.reads == 1 and not dw.slow
