@@ -39,21 +39,6 @@ def _prompt(seed: int, tokens: int) -> list[int]:
     return [3 + (seed * 7919 + i * 131) % 1900 for i in range(tokens)]
 
 
-def _forget_hbm(engine, timeout_s: float = 60.0) -> None:
-    """Empty vLLM's prefix cache, for real. A request whose blocks kvtier is still storing stays
-    allocated until the worker reports the store done, and the worker reports only in a step: vLLM
-    refuses the reset until then (``reset_prefix_cache`` answers False), and the next prompt would
-    be a prefix-cache hit, not a restore. Step the idle engine until the reset succeeds."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not engine.llm.reset_prefix_cache():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"vLLM's prefix cache still in use after {timeout_s:.0f} s")
-        engine.llm.llm_engine.step()  # an empty step: the worker reports its finished stores
-        time.sleep(0.005)
-
-
 def _predict_restore(cost, blocks: int, prompt_tokens: int) -> float:
     return cost.restore_seconds(blocks, 0, prompt_tokens)
 
@@ -81,7 +66,7 @@ def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Calla
         # and restores, as serving shows it too: the load model learns the mover's real rate and what
         # a load adds to its request from the restores it sees (two of the prompts above, again)
         for seed, n in ((2, 512), (6, 3000)):
-            _forget_hbm(engine)
+            engine.forget_hbm()
             engine.timed(_prompt(seed, n))
         assert cost.prefill is not None, "no prefill model after warm-up"
         results["_model_after_warmup"] = {k: v for k, v in cost.report().items() if k != "sources"}
@@ -90,7 +75,7 @@ def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Calla
             prompt = _prompt(100 + i, n)
             predicted_recompute = _predict_recompute(cost, n)
             measured_recompute, _ = engine.timed(prompt)
-            _forget_hbm(engine)
+            engine.forget_hbm()
             blocks = (n - 1) // cost.block_tokens  # the last token is always recomputed
             predicted_restore = _predict_restore(cost, blocks, n)
             results[f"_restore_{n}_round_trip_ms"] = cost.round_trip_seconds() * 1e3
@@ -100,7 +85,7 @@ def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Calla
             runs = []
             for repeat in range(RESTORES):  # a restore is tens of ms: one step's noise is a large share
                 if repeat:
-                    _forget_hbm(engine)
+                    engine.forget_hbm()
                 seconds, out = engine.timed(prompt)
                 runs.append(seconds)
             measured_restore = statistics.median(runs)
@@ -131,7 +116,7 @@ def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Calla
         capped.connector._scheduler.cost.prefill = fitted
         prompt = _prompt(300, n)
         plain, _ = capped.timed(prompt)
-        _forget_hbm(capped)
+        capped.forget_hbm()
         again, out = capped.timed(prompt)
         counters = dict(capped.manager.counters)
         capped.close()

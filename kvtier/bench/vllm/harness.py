@@ -95,8 +95,17 @@ class Engine:
                 raise TimeoutError(f"kvtier job {job.job_id} ({job.kind.value}) did not finish in {timeout_s:.0f} s")
             time.sleep(0.01)
 
-    def forget_hbm(self) -> None:
-        self.llm.reset_prefix_cache()
+    def forget_hbm(self, timeout_s: float = 60.0) -> None:
+        """Empty vLLM's prefix cache, for real. A request whose blocks kvtier is still storing stays
+        allocated until the worker reports the store done, and the worker reports only in a step:
+        vLLM refuses the reset until then (``reset_prefix_cache`` answers False), and the next
+        prompt would be a prefix-cache hit, not a load. Step the idle engine until it succeeds."""
+        deadline = time.monotonic() + timeout_s
+        while not self.llm.reset_prefix_cache():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM's prefix cache still in use after {timeout_s:.0f} s")
+            self.llm.llm_engine.step()  # an empty step: the worker reports its finished stores
+            time.sleep(0.005)
 
     def close(self) -> None:
         from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
