@@ -36,6 +36,12 @@ def read_s(nbytes: int, slowdown: float) -> float:
     return slowdown * (MEASURED.nvme_latency_s + nbytes / MEASURED.nvme_read_bps)
 
 
+def reads(dw: DiskWatch, slowdown: float, count: int = 3, nbytes: int = 16 << 20) -> None:
+    """``count`` reads of ``nbytes`` on the measured disk slowed ``slowdown`` times."""
+    for _ in range(count):
+        dw.observe(nbytes, read_s(nbytes, slowdown))
+
+
 def decision(cost: CostModel, blocks: int = 64) -> str:
     split = cost.best_split(0, [False] * blocks, blocks * BT + 10)  # a session wholly on NVMe
     assert split is not None
@@ -53,8 +59,7 @@ def test_healthy_reads_leave_the_measured_figures_alone():
 def test_a_disk_200x_slower_is_noticed_at_its_second_read_and_turns_loads_into_recomputes():
     clock = FakeClock()
     dw, cost, warnings = watch(clock)
-    for _ in range(3):
-        dw.observe(16 << 20, read_s(16 << 20, 1.0))
+    reads(dw, 1.0, 3)
     assert decision(cost) == "load"
     reads_to_notice = 0
     while not dw.slow:
@@ -68,14 +73,13 @@ def test_a_disk_200x_slower_is_noticed_at_its_second_read_and_turns_loads_into_r
     assert "200.0x" in warnings["nvme_slow"] and "median of the last 3" in cost.rates.source["nvme_read_bps"]
     assert decision(cost) == "recompute"
     assert cost.break_even_tokens(from_nvme=True) is None  # demotion stops writing sessions it can't restore
-    [(when, slowdown, reads)] = dw.changes
-    assert (when, reads) == (clock.now, 5) and slowdown == pytest.approx(200.0)
+    [(when, slowdown, seen)] = dw.changes
+    assert (when, seen) == (clock.now, 5) and slowdown == pytest.approx(200.0)
 
 
 def test_a_10x_slower_disk_is_seen_but_still_loads_where_loading_wins():
     dw, cost, _warnings = watch()
-    for _ in range(2):
-        dw.observe(16 << 20, read_s(16 << 20, 10.0))
+    reads(dw, 10.0, 2)
     assert dw.slow and dw.slowdown == pytest.approx(10.0)
     assert decision(cost) == "load"  # 64 blocks at 0.1 GB/s: 0.17 s, recompute 0.43 s
 
@@ -83,8 +87,7 @@ def test_a_10x_slower_disk_is_seen_but_still_loads_where_loading_wins():
 def test_a_recovered_disk_is_seen_from_two_probe_reads():
     clock = FakeClock()
     dw, cost, warnings = watch(clock)
-    for _ in range(3):
-        dw.observe(16 << 20, read_s(16 << 20, 200.0))
+    reads(dw, 200.0, 3)
     assert decision(cost) == "recompute"
     clock.advance(30)
     probe = JobResult(job_id=-1, kind=JobKind.PROMOTE, ok=True, nvme_read_bytes=2 << 20,
@@ -107,8 +110,7 @@ def test_results_without_nvme_reads_are_not_observations():
 
 def test_a_re_measurement_is_the_new_reference_and_keeps_a_slowdown_in_force():
     dw, cost, _warnings = watch()
-    for _ in range(2):
-        dw.observe(16 << 20, read_s(16 << 20, 50.0))
+    reads(dw, 50.0, 2)
     faster = LinkRates(20 * GB, 2.0 * GB, nvme_latency_s=2e-4, job_latency_s=3e-4)
     dw.measured_rates(faster)  # the background re-measurement (which an injected fault does not slow)
     assert dw.measured is faster
@@ -129,17 +131,13 @@ def test_between_the_two_thresholds_the_disk_stays_as_it_was():
     """Slow from 3x, healthy again under 1.5x: a disk whose reads wobble around 2x (a write in flight
     beside them) neither enters nor leaves the slow state on that."""
     dw, cost, _warnings = watch()
-    for _ in range(3):
-        dw.observe(16 << 20, read_s(16 << 20, 2.2))
+    reads(dw, 2.2, 3)
     assert not dw.slow
-    for _ in range(3):
-        dw.observe(16 << 20, read_s(16 << 20, 20.0))
+    reads(dw, 20.0, 3)
     assert dw.slow
-    for _ in range(3):
-        dw.observe(16 << 20, read_s(16 << 20, 2.2))
+    reads(dw, 2.2, 3)
     assert dw.slow and dw.slowdown == pytest.approx(2.2)  # still planned as slow, at what it measures
-    for _ in range(2):
-        dw.observe(16 << 20, read_s(16 << 20, 1.0))
+    reads(dw, 1.0, 2)
     assert not dw.slow and cost.rates == MEASURED
 
 
@@ -147,8 +145,7 @@ def test_a_slow_re_measurement_during_a_slow_episode_keeps_the_healthy_reference
     """A real slow disk slows the background re-measurement too: taken as the new reference, it would
     make the slow reads look healthy and end the episode while the disk is still slow."""
     dw, cost, _warnings = watch()
-    for _ in range(2):
-        dw.observe(16 << 20, read_s(16 << 20, 50.0))
+    reads(dw, 50.0, 2)
     slow_measurement = LinkRates(20 * GB, MEASURED.nvme_read_bps / 50, nvme_latency_s=1e-2, job_latency_s=3e-4)
     dw.measured_rates(slow_measurement)
     assert dw.measured.nvme_read_bps == MEASURED.nvme_read_bps
