@@ -336,11 +336,12 @@ class CostModel:
         rates = self.rates
         dram = np.asarray(dram_blocks, dtype=np.float64) * self.dram_block_bytes
         nvme = np.asarray(nvme_blocks, dtype=np.float64) * self.nvme_block_bytes
-        if self.load_fit is not None:  # measured on this engine's own DRAM loads
-            latency, per_byte = self.load_fit
+        link = 1 / rates.host_to_device_bps + (1 / rates.decode_bps if self.lossy and rates.decode_bps else 0)
+        if self.load_fit is not None:  # measured on this engine's own DRAM loads, never faster than the
+            latency, per_byte = self.load_fit  # link as last measured (a re-measurement or a cap that
+            per_byte = max(per_byte, link)  # finds it slower counts at once)
         else:
-            latency = rates.job_latency_s
-            per_byte = 1 / rates.host_to_device_bps + (1 / rates.decode_bps if self.lossy and rates.decode_bps else 0)
+            latency, per_byte = rates.job_latency_s, link
         t = (dram + nvme) * per_byte + nvme / rates.nvme_read_bps
         t = t + np.where(np.asarray(nvme_blocks) > 0, rates.nvme_latency_s, 0.0)
         fixed = latency + self.round_trip_seconds()
@@ -444,14 +445,13 @@ def measure_copy_bps(nbytes: int = 64 << 20, reps: int = 3) -> tuple[float, str]
             best = min(best, time.perf_counter() - start)
         return nbytes / best, "pinned host->device copy (CUDA)"
     pieces = max(nbytes // CPU_PIECE_BYTES, 1)
-    src = torch.empty(pieces, CPU_PIECE_BYTES, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    src = np.ones((pieces, CPU_PIECE_BYTES), dtype=np.uint8)
+    dst = np.zeros_like(src)
     best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
+    for _ in range(reps):  # one memcpy a piece on this thread (torch's copy would wake its OpenMP
+        start = time.perf_counter()  # pool for each piece: on a busy box that wait, not the copy, is timed)
         for i in range(pieces):
-            dst[i].copy_(src[i])
+            np.copyto(dst[i], src[i])
         best = min(best, time.perf_counter() - start)
     return pieces * CPU_PIECE_BYTES / best, f"DRAM copies of {CPU_PIECE_BYTES >> 10} KiB pieces (no GPU)"
 

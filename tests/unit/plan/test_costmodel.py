@@ -424,3 +424,14 @@ def test_rate_refresh_waits_for_a_quiet_engine_but_not_forever(monkeypatch):
     waited = clock() - t0
     assert 0.5 - 1e-9 <= waited < 0.6  # once the engine went quiet and stayed so for quiet_s, not later
     assert timing.wait_until_quiet(lambda: 0.0, Stopping(clock() + 0.1), quiet_s=0.2, patience_s=5.0) is None
+
+
+def test_a_link_measured_slower_than_the_loads_learned_counts_at_once():
+    """The loads taught the model 2 GB/s; a re-measurement (or a cap) then finds the link crawling:
+    a prediction never assumes the link faster than it was last measured."""
+    m = model(20, 3)
+    m.observe_load(1 << 20, 3e-4 + (1 << 20) / (2 * GB))
+    learned = m.load_seconds(10, 0)
+    m.refresh_rates(m.rates.capped({"pcie": 1e-6}))  # 1 KB/s
+    assert m.load_seconds(10, 0) > 1000 * learned
+    assert m.break_even_tokens(from_nvme=False) is None
