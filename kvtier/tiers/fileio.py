@@ -22,10 +22,10 @@ What "acknowledged" means, per thing kvtier keeps:
 * a dropped block: no longer owed from the moment ``delete_many`` is called (marked then); a power
   cut may bring back one whose drop entry was not yet synced, and it is still exactly its key's
   bytes (keys name content);
-* a snapshot: when ``SnapshotWriter.finish`` returned (file synced, renamed, directory synced);
-* a session in the catalog: when its commit returned, with SQLite's ``synchronous=NORMAL`` in
-  WAL mode: a power cut may lose the last commits since SQLite last synced its WAL (the window
-  the catalog's docstring states), never its consistency.
+* a snapshot: when ``SnapshotWriter.commit`` returned (file synced, renamed, directory synced);
+* a session in the catalog: when its commit returned (SQLite in WAL mode with
+  ``synchronous=FULL``: the log is synced at each commit); a dropped one from the moment the commit
+  that drops it starts.
 """
 from __future__ import annotations
 
