@@ -275,6 +275,16 @@ class Served:
         assert record is not None and record.finished and record.prompt_tokens == len(prompt), record
         return record
 
+    def reset(self, timeout_s: float = 60.0) -> None:
+        """Empty vLLM's prefix cache for real: vLLM refuses while a request's blocks are still held
+        for kvtier's stores in flight (reported in a later step), and says so only by returning False."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not self.llm.reset_prefix_cache():
+            assert time.monotonic() < deadline, "vLLM's prefix cache still in use"
+            self.llm.llm_engine.step()  # an empty step: the worker reports its finished stores
+
     def crawl(self) -> None:
         """A host link at 1 KB/s: no load can beat recomputing (and nothing is worth storing)."""
         self.scheduler.cost.refresh_rates(self.rates.capped({"pcie": 1e-6}))
@@ -331,7 +341,7 @@ def test_vllm_hits_name_where_the_tokens_came_from(served):
     assert first.reason == "new_session" and first.loaded_tokens == 0 and first.recomputed_tokens == 300
     again = served.turn("hit", prompt)  # vLLM's own prefix cache still holds it
     assert again.reason == "vllm_prefix_cache" and again.vllm_cached_tokens == 256 and again.loaded_tokens == 0
-    served.llm.reset_prefix_cache()  # vLLM forgets: kvtier loads it from DRAM
+    served.reset()  # vLLM forgets: kvtier loads it from DRAM
     longer = served.turn("hit", prompt + prompt_of(10, 100))
     assert (longer.reason, longer.tier, longer.loaded_tokens, longer.vllm_cached_tokens) == ("full_hit", "dram", 256, 0)
     assert longer.recomputed_tokens == 144 and [t["turn"] for t in served.admin().get("/v1/sessions/hit")["turns"]] \
@@ -365,7 +375,7 @@ def test_vllm_dropped_blocks_name_the_operator(served):
     served.turn("drop", prompt)
     job = served.admin().post("/v1/sessions/drop/evict", {"to": "drop"})  # kvtier evict drop --to drop
     assert job["state"] in ("queued", "running", "done"), job
-    served.llm.reset_prefix_cache()
+    served.reset()
     misses, tokens = metric(served, "kvtier_misses_total", "dropped"), metric(served, "kvtier_recompute_tokens_total",
                                                                                "dropped")
     record = served.turn("drop", prompt + prompt_of(3, 100))
@@ -384,7 +394,7 @@ def test_vllm_below_break_even_gives_both_predicted_times(served):
     served.turn("bbe", prompt)
     served.crawl()
     try:
-        served.llm.reset_prefix_cache()
+        served.reset()
         record = served.turn("bbe", prompt + prompt_of(5, 100))
     finally:
         served.normal()
@@ -414,7 +424,7 @@ def test_vllm_checksum_failure_is_named(served):
     with open(path, "r+b") as f:  # one flipped byte in its payload, under the running server
         byte = os.pread(f.fileno(), 1, offset + size // 2)
         os.pwrite(f.fileno(), bytes([byte[0] ^ 0x5A]), offset + size // 2)
-    served.llm.reset_prefix_cache()
+    served.reset()
     record = served.turn("sum", prompt + prompt_of(7, 60))
     assert record.reason == "checksum" and record.tier == "nvme", record
     assert record.loaded_tokens == 128 and record.recomputed_tokens == 660 - 128  # block 0 loaded, the rest recomputed
@@ -431,7 +441,7 @@ def test_vllm_prompts_below_the_store_threshold(served):
     try:
         first = served.turn("short", prompt)
         assert first.reason == "new_session" and first.store_skipped
-        served.llm.reset_prefix_cache()
+        served.reset()
         again = served.turn("short", prompt)
     finally:
         served.normal()
@@ -472,7 +482,7 @@ def test_vllm_prefix_cache_blocks_show_in_hbm_and_their_session_hot(served):
     assert row["state"] == "hot" and row["blocks_hbm"] >= 5, row
     assert row["bytes_hbm"] == row["blocks_hbm"] * served.scheduler.fingerprint.geometry.block_bytes
     assert "cached-a" in [s["session_id"] for s in client.get("/v1/sessions", state="hot")["sessions"]]
-    served.llm.reset_prefix_cache()  # vLLM drops its prefix cache: the session is no longer hot
+    served.reset()  # vLLM drops its prefix cache: the session is no longer hot
     served.turn("poke", prompt_of(99, 40), max_tokens=1)  # vLLM publishes a step's events after the step
     assert cache.wait_for(lambda: not cache.session_blocks("cached-a"), 30.0), cache.sessions()
     row = client.get("/v1/sessions/cached-a")
