@@ -95,7 +95,7 @@ class DiskWatch:
                                 source=dict(rates.source, nvme_read_bps=self.measured.source.get("nvme_read_bps",
                                                                                              "measured")))
             self.measured = rates
-            self._apply()
+            self._apply(rates)
 
     def follow(self, clock: Any) -> "DiskWatch":
         """Take the background re-measurements of ``clock`` (an ``EngineClock``) as the reference."""
@@ -124,15 +124,17 @@ class DiskWatch:
         if self.warn is not None:
             self.warn("nvme_slow", message)
 
-    def _apply(self) -> None:
-        rates = self.measured
+    def _apply(self, rates: "LinkRates | None" = None) -> None:
+        """The cost model's NVMe figures: the reference's, scaled by the slowdown. Only those: the
+        other figures stay as the model has them (``rates``: a whole new measurement instead)."""
+        base = rates or self.cost.rates
+        nvme_bps, latency = self.measured.nvme_read_bps, self.measured.nvme_latency_s
+        source = dict(base.source, nvme_read_bps=self.measured.source.get("nvme_read_bps", "measured"))
         if self.slow:
-            source = dict(rates.source, nvme_read_bps=f"{rates.source.get('nvme_read_bps', 'measured')} / "
-                                                      f"{self.slowdown:.1f}: median of the last {len(self.ratios)} "
-                                                      "NVMe reads")
-            rates = replace(rates, nvme_read_bps=rates.nvme_read_bps / self.slowdown,
-                            nvme_latency_s=rates.nvme_latency_s * self.slowdown, source=source)
-        self.cost.refresh_rates(rates)
+            nvme_bps, latency = nvme_bps / self.slowdown, latency * self.slowdown
+            source["nvme_read_bps"] = (f"{source['nvme_read_bps']} / {self.slowdown:.1f}: median of the last "
+                                       f"{len(self.ratios)} NVMe reads")
+        self.cost.refresh_rates(replace(base, nvme_read_bps=nvme_bps, nvme_latency_s=latency, source=source))
 
     def report(self) -> dict:
         return {"slowdown": self.slowdown, "reads": self.reads, "ratios": [round(r, 2) for r in self.ratios],

@@ -159,3 +159,15 @@ def test_tensor_parallel_ranks_count_once_for_the_disk_they_share():
         dw.observe_result(JobResult(job_id=1, kind=JobKind.LOAD, ok=True, rank=rank, nvme_read_bytes=4 << 20,
                                     nvme_read_s=read_s(16 << 20, 1.0)))
     assert dw.reads == 1 and not dw.slow
+
+
+def test_a_slow_disk_changes_only_the_nvme_figures_the_model_has():
+    """A link capped or re-measured by someone else (the host link crawling) stays as it is when the
+    disk's slowdown is applied or lifted: DiskWatch owns the NVMe figures only."""
+    dw, cost, _warnings = watch()
+    cost.refresh_rates(cost.rates.capped({"pcie": 1e-6}))
+    reads(dw, 200.0)
+    assert dw.slow and cost.rates.host_to_device_bps == pytest.approx(1e-6 * GB)
+    reads(dw, 1.0, 2)
+    assert not dw.slow and cost.rates.host_to_device_bps == pytest.approx(1e-6 * GB)
+    assert cost.rates.nvme_read_bps == MEASURED.nvme_read_bps
