@@ -35,12 +35,13 @@ BLOCK = 128
 
 # ---- quantizers: a codec's round trip, or a reference ---------------------------------------
 def _naive_int4(x, per_token: bool):
-    """Asymmetric int4 over a whole block's keys (``per_token=False``) or over each token."""
+    """Asymmetric int4 over a whole block's keys (``per_token=False``: the ``int4-naive`` codec of
+    ``kvtier.bench.naive_codec``) or over each token."""
     import torch
 
-    dims = (-1,) if per_token else (-2, -1)
-    lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
-    step = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
+    from kvtier.bench.naive_codec import naive_levels
+
+    lo, step = naive_levels(x, (-1,) if per_token else (-2, -1))
     return torch.round((x - lo) / step).clamp(0, 15) * step + lo
 
 

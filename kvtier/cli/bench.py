@@ -184,7 +184,7 @@ def parse_lengths(text: str) -> tuple[int, ...]:
             n = label_tokens(part)
         except ValueError:
             raise UsageError(f"bad context length {part!r}", hint="lengths in tokens, e.g. 1024,4k,16k") from None
-        if not 64 <= n <= 131072:
+        if not 64 <= n <= 1 << 20:  # the model's own limit is checked next (kvtier.bench.vllm.needle)
             raise UsageError(f"context length {n} is out of range", hint="between 64 and 131072 tokens")
         out.append(n)
     return tuple(sorted(set(out)))
@@ -194,16 +194,20 @@ def parse_lengths(text: str) -> tuple[int, ...]:
 @handle_errors
 def bench_quality(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: one entry per codec."),
-    quick: bool = typer.Option(False, "--quick", help="Needles up to 16k keys, fewer trials and prompts."),
+    quick: bool = typer.Option(False, "--quick", help="Needles up to 16k keys, fewer trials and prompts; model "
+                                                      "needles at 4k and 32k."),
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include the real-vLLM figures (top-1, KL)."),
     trials: int = typer.Option(0, "--trials", min=0, max=100_000, help="Needle trials per size (default 200)."),
     long_trials: int = typer.Option(0, "--long-trials", min=0, max=100_000,
                                     help="Needle trials at the largest size (default: --trials)."),
     model_needle: bool = typer.Option(True, "--model-needle/--no-model-needle",
-                                      help="Needles through vLLM on the trained retrieval model, per codec."),
+                                      help="Needles through vLLM on a model that retrieves, per codec."),
+    model: str = typer.Option("constructed", "--model", help="The needle model: constructed (weights set so it "
+                                                             "retrieves to 128k; keys with outlier channels and a "
+                                                             "sink) or trained (trained here; reliable to 4k)."),
     needle_lengths: str = typer.Option("", "--needle-lengths",
                                        help="Context lengths of the model needle, comma-separated (default: "
-                                            "1024,2048,4096,8192; --quick: 1024,4096)."),
+                                            "4k,16k,64k,128k, --quick 4k,32k; trained: 1k,2k,4k,8k, --quick 1k,4k)."),
     haystacks: int = typer.Option(0, "--haystacks", min=0, max=1000,
                                   help="Haystacks per length (5 needles each; default 8, --quick 2)."),
 ) -> None:
@@ -212,8 +216,14 @@ def bench_quality(
     import sys
 
     from kvtier.bench.quality import QUALITY_CODECS, run_quality_harness
+    from kvtier.bench.vllm.needle import NEEDLE_LENGTHS, NEEDLE_MODELS, check_needle_lengths, key_prefix
     from kvtier.codecs.recall import label_tokens
-    lengths = parse_lengths(needle_lengths) or ((1024, 4096) if quick else (1024, 2048, 4096, 8192))  # refused first
+    from kvtier.errors import UsageError
+    if model not in NEEDLE_MODELS:
+        raise UsageError(f"--model {model!r} is not a needle model", hint="constructed or trained")
+    lengths = parse_lengths(needle_lengths) or NEEDLE_LENGTHS[model][bool(quick)]  # refused first
+    if vllm and model_needle:
+        check_needle_lengths(model, lengths)  # past the model's positions or this box's memory: refused now
     progress = bench_progress(json_out)
     captured, per_codec, context = None, {}, {}
     if vllm:
@@ -223,14 +233,12 @@ def bench_quality(
             out = run_vllm_quality(QUALITY_CODECS, quick=quick, progress=progress)
         captured, per_codec = out["captured"], out["per_codec"]
         context = {k: v for k, v in out.items() if k.startswith("_")}
-    needle = None
-    if vllm and model_needle:
-        from kvtier.bench.vllm.needle import run_in_child
-        from kvtier.codecs.recall import save_figures
-        needle = run_in_child(lengths, haystacks or (2 if quick else 8), progress=progress)
-        save_figures(needle)  # kvtier status / doctor warn from the latest figures (kvtier.codecs.recall)
-        context["model_needle"] = {k.lstrip("_"): needle[k] for k in ("_lengths", "_trials_per_length",
-                                                                     "_haystacks_per_length", "_wall_s", "_seed")}
+    needle = _model_needle(model, lengths, haystacks or (2 if quick else 8), progress) if vllm and model_needle \
+        else None
+    if needle:
+        context["model_needle"] = {k.lstrip("_"): needle.get(k) for k in (
+            "_model_kind", "_lengths", "_trials_per_length", "_haystacks_per_length", "_wall_s", "_seed",
+            "_model_key_statistics")}
     results = run_quality_harness(quick=quick, captured=captured, progress=progress, trials=trials or None,
                                   long_trials=long_trials or None)
     for spec, entry in results.items():
@@ -240,15 +248,17 @@ def bench_quality(
         entry["_kv_source"] = "demo model via vLLM" if captured is not None else "synthetic"
     for spec, entry in ((needle or {}).get("per_codec") or {}).items():
         results.setdefault(spec, {}).update(entry)
+    naive = {f"naive_int4_needle_acc_{k.rsplit('_', 1)[1]}": v  # the reference's figures, named by the issue
+             for k, v in results.get("int4-naive", {}).items() if k.startswith(key_prefix(model))}
     ordered = {spec: {**{k: entry.get(k) for k in QUALITY_KEYS}, **{k: v for k, v in entry.items()
                                                                       if k not in QUALITY_KEYS}}
                for spec, entry in results.items()}
     if json_out:
-        emit_json({**ordered, **{f"_{k.lstrip('_')}": v for k, v in context.items()}})
+        emit_json({**ordered, **naive, **{f"_{k.lstrip('_')}": v for k, v in context.items()}})
         return
     columns = ["codec", *QUALITY_KEYS, "attn_err"] + [k for k in next(iter(ordered.values()))
                                                      if k.startswith("needle_acc") and k != "needle_acc_128k"] + \
-        sorted({k for entry in ordered.values() for k in entry if k.startswith("model_needle_acc")},
+        sorted({k for entry in ordered.values() for k in entry if k.startswith(key_prefix(model))},
                key=lambda k: label_tokens(k.rsplit("_", 1)[1]))
 
     def fmt(value):
@@ -257,9 +267,23 @@ def bench_quality(
     print_table("kvtier bench quality", columns,
                 [(spec, *[fmt(entry.get(c)) for c in columns[1:]]) for spec, entry in ordered.items()])
     if context:
-        typer.echo(", ".join(f"{k.lstrip('_')}={v}" for k, v in context.items()))
+        typer.echo(", ".join(f"{k.lstrip('_')}={v}" for k, v in context.items() if k != "model_needle"))
+    if needle:
+        typer.echo("model needle: " + ", ".join(f"{k}={v}" for k, v in context["model_needle"].items()
+                                                 if k != "model_key_statistics"))
 
 
+
+
+def _model_needle(kind: str, lengths, haystacks: int, progress) -> dict:
+    """The model needle in a child process (one vLLM engine per process); its figures are kept for
+    kvtier status / doctor's recall warnings (kvtier.codecs.recall)."""
+    from kvtier.bench.vllm.needle import run_in_child
+    from kvtier.codecs.recall import save_figures
+
+    needle = run_in_child(lengths, haystacks, progress=progress, kind=kind)
+    save_figures(needle)
+    return needle
 
 
 def _regimes(text: str) -> tuple[int, ...]:

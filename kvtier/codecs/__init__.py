@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.codecs.base import Codec
     from kvtier.layout import KVGeometry
 
-__all__ = ["get_codec", "parse_spec", "resolve_codec", "transcode", "CODEC_HELP", "SPEC_RE", "is_lossless"]
+__all__ = ["get_codec", "parse_spec", "register_reference", "resolve_codec", "transcode", "CODEC_HELP", "SPEC_RE",
+           "is_lossless"]
 
 CODEC_HELP = "none, fp8, fp8:e5m2, fp8:head, int8, int4[:gN], int4-lc[:gN], each optionally +zstd"
 SPEC_RE = re.compile(r"^(none|fp8(?::(?:e4m3|e5m2|head))?|int8|int4(?:-lc)?(?::g(?:16|32|64|128))?)(\+zstd)?$")
@@ -43,6 +44,8 @@ SPEC_RE = re.compile(r"^(none|fp8(?::(?:e4m3|e5m2|head))?|int8|int4(?:-lc)?(?::g
 def parse_spec(spec: str) -> str:
     """Validate a codec spec; returns its canonical form (``fp8:e4m3`` -> ``fp8``)."""
     text = str(spec).strip().lower()
+    if text in _REFERENCES:
+        return text
     match = SPEC_RE.match(text)
     if not match:
         raise ConfigError(f"unknown codec {spec!r}", hint=f"codecs: {CODEC_HELP}")
@@ -58,6 +61,15 @@ def is_lossless(spec: str) -> bool:
 
 
 _CACHE: dict[str, "Codec"] = {}
+_REFERENCES: set[str] = set()  # benchmark-only quantizers (``register_reference``), never from configuration
+
+
+def register_reference(spec: str, codec: "Codec") -> None:
+    """Let the tiers store blocks through a benchmark's reference quantizer (``codec``) under
+    ``spec``, in this process. Configuration still refuses it: ``kvtier.config`` checks ``SPEC_RE``."""
+    codec.spec = spec
+    _CACHE[spec] = codec
+    _REFERENCES.add(spec)
 
 
 def get_codec(spec: str) -> "Codec":

@@ -1,7 +1,8 @@
 """Where a lossy codec's recall falls, from a model's own needle figures (mission trap 2).
 
 ``kvtier bench quality`` measures, through vLLM, how often a model that really retrieves (the
-locally trained ``kvtier.models.retrieval``) gets a needle back when its KV came through each
+constructed ``kvtier.models.constructed``, to 128k tokens, or the locally trained
+``kvtier.models.retrieval``) gets a needle back when its KV came through each
 codec, at each context length. This module reads those figures and says, for a configured codec
 and the longest context a server accepts, whether they show recall falling within that context:
 ``kvtier status`` (through the connector's warnings) and ``kvtier doctor`` warn then.
@@ -29,7 +30,7 @@ __all__ = ["TOLERANCE", "falls_at", "figures_path", "label_tokens", "length_labe
 TOLERANCE = 0.01  # one point of accuracy
 HANDLED = 0.95  # lengths where the uncompressed baseline is below this are past the model's own reach
 SHIPPED = Path(__file__).parents[1] / "data" / "model_needle.json"
-KEY_PREFIX = "model_needle_acc_"
+KEY_PREFIXES = ("constructed_needle_acc_", "model_needle_acc_")  # the constructed model's, the trained one's
 
 
 def figures_path() -> Path:
@@ -76,9 +77,10 @@ def _curve(entry: Any) -> dict[int, float]:
     damaged figures file must never stop an engine from starting)."""
     out: dict[int, float] = {}
     for key, value in (entry.items() if isinstance(entry, dict) else ()):
-        if str(key).startswith(KEY_PREFIX) and isinstance(value, (int, float)):
+        prefix = next((p for p in KEY_PREFIXES if str(key).startswith(p)), None)
+        if prefix is not None and isinstance(value, (int, float)):
             try:
-                out[label_tokens(str(key)[len(KEY_PREFIX):])] = float(value)
+                out[label_tokens(str(key)[len(prefix):])] = float(value)
             except ValueError:
                 continue
     return out
