@@ -6,9 +6,11 @@ one canonical, backend-independent order::
     [num_layers, num_kv_heads, 2 (K then V), block_tokens, head_dim]
 
 so a block written by the CPU backend loads into a CUDA backend and a snapshot is portable. The
-order is head-major because that is the CPU backend's own block layout (gather and scatter are
-then plain memcpy where the CPU is the bottleneck) while on a GPU the transpose is free. The
-adapters gather whole blocks from vLLM's tensors into that order and scatter them back; the
+order is head-major because that is the CPU backend's own block layout, while on a GPU the
+transpose is free. Within a head's slab vLLM's CPU attention packs K and V for its ISA (AMX
+tiles, a transposed K): ``kvtier.move.slaborder`` measures that order on the running vLLM and the CPU
+adapter copies through it, so a block is canonical (codecs group real channels and tokens)
+whatever the ISA. The adapters gather whole blocks from vLLM's tensors into that order and scatter them back; the
 canonical order also gives codecs their K and V views (``k_view`` / ``v_view``).
 
 Backend layouts handled (one tensor per layer, all from vLLM 0.32):
@@ -33,6 +35,8 @@ from kvtier.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+    from kvtier.move.slaborder import SlabOrder
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -128,6 +132,9 @@ class ModelFingerprint:
     shards: int = 1  # tensor-parallel size: how many ranks each hold a slice of every block's KV heads
     rank: int | None = None  # the rank whose shard this is (None: the whole engine, as the scheduler sees it)
     kv_scales: str = ""  # fp8 KV caches: how values were scaled into fp8 (blocks are only valid under the same)
+    # how a block's values are ordered: "canonical" on vLLM's CPU backend since kvtier undoes its ISA
+    # packing (kvtier.move.slaborder); before, CPU blocks were stored in the packed order and must not load
+    kv_order: str = ""
 
     @functools.cached_property
     def digest(self) -> bytes:
@@ -137,6 +144,8 @@ class ModelFingerprint:
             fields["weights"] = self.weights
         if self.kv_scales:
             fields["kv_scales"] = self.kv_scales
+        if self.kv_order:
+            fields["kv_order"] = self.kv_order
         if self.shards > 1:  # a single rank's digest is what it always was: old blocks stay valid
             fields["shards"] = self.shards
             if self.rank is not None:
@@ -162,6 +171,8 @@ class ModelFingerprint:
                 "digest": self.hex}
         if self.kv_scales:
             data["kv_scales"] = self.kv_scales
+        if self.kv_order:
+            data["kv_order"] = self.kv_order
         if self.shards > 1:
             data["shards"], data["rank"] = self.shards, self.rank
         return data
@@ -171,7 +182,8 @@ class ModelFingerprint:
         rank = data.get("rank")
         return cls(model_id=data["model_id"], geometry=KVGeometry.from_dict(data["geometry"]),
                    weights=str(data.get("weights") or ""), shards=int(data.get("shards") or 1),
-                   rank=None if rank is None else int(rank), kv_scales=str(data.get("kv_scales") or ""))
+                   rank=None if rank is None else int(rank), kv_scales=str(data.get("kv_scales") or ""),
+                   kv_order=str(data.get("kv_order") or ""))
 
     def mismatch(self, other: "ModelFingerprint") -> str:
         """Why blocks of ``other`` cannot serve this engine, in words ("" when they can)."""
@@ -286,11 +298,18 @@ class LayoutAdapter:
 class CpuLayout(LayoutAdapter):
     """vLLM CPU backend: ``[num_blocks, H, B, 2*D]``, each head slab being K rows then V rows.
 
-    The slab ``[B, 2D]`` is read by the kernel as ``[2B, D]``, so a block is ``[H, 2, B, D]``:
-    exactly kvtier's canonical order, and gather/scatter are plain copies.
+    The slab ``[B, 2D]`` is read by the kernel as ``[2B, D]``: K's B*D values, then V's. Within
+    each, vLLM's CPU attention packs the values for its ISA (``kvtier.move.slaborder``): ``orders`` says
+    how (K's, V's), as the connector measured it on the running vLLM; copies go through those
+    orders. ``orders`` None: the values are taken to be in canonical order already, ``[H, 2, B, D]``,
+    and gather/scatter are plain copies.
     """
 
     name = "cpu"
+
+    def __init__(self, geometry: KVGeometry, orders: "tuple[SlabOrder, SlabOrder] | None" = None):
+        super().__init__(geometry)
+        self.orders = None if orders is None or all(o.identity for o in orders) else orders
 
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         g = self.geometry
@@ -303,6 +322,32 @@ class CpuLayout(LayoutAdapter):
     def _to_native(self, canonical: "torch.Tensor") -> "torch.Tensor":
         g = self.geometry
         return canonical.reshape(canonical.shape[0], g.num_kv_heads, g.block_tokens, 2 * g.head_dim)
+
+    def _copies(self, kv_layers: Sequence["torch.Tensor"], block_ids: Sequence[int], canonical: "torch.Tensor"):
+        """(stored view, canonical view) pairs covering ``block_ids``: the same shape, the same
+        element at each index, one pair per run of blocks, layer and K/V."""
+        self._check(kv_layers)
+        g = self.geometry
+        assert self.orders is not None
+        for i, start, stop in _runs(block_ids):
+            for layer, kv in enumerate(kv_layers):
+                slab = kv[start:stop].view(stop - start, g.num_kv_heads, 2, g.block_tokens * g.head_dim)
+                block = canonical[i : i + stop - start, layer]
+                slab = _same_bits_as(slab, block)
+                for half, order in enumerate(self.orders):
+                    yield order.views(slab[:, :, half], block[:, :, half])
+
+    def gather(self, kv_layers: Sequence["torch.Tensor"], block_ids: Sequence[int], out: "torch.Tensor") -> None:
+        if self.orders is None:
+            return super().gather(kv_layers, block_ids, out)
+        for stored, canonical in self._copies(kv_layers, block_ids, out):
+            canonical.copy_(stored)
+
+    def scatter(self, src: "torch.Tensor", kv_layers: Sequence["torch.Tensor"], block_ids: Sequence[int]) -> None:
+        if self.orders is None:
+            return super().scatter(src, kv_layers, block_ids)
+        for stored, canonical in self._copies(kv_layers, block_ids, src):
+            stored.copy_(canonical)
 
 
 class BlockFirstLayout(LayoutAdapter):
@@ -404,9 +449,12 @@ def _raw(t: "torch.Tensor") -> "torch.Tensor":
 _ADAPTERS = {cls.name: cls for cls in (CpuLayout, KVFirstLayout, BlockFirstLayout, HeadSplitLayout)}
 
 
-def adapter_for(name: str, geometry: KVGeometry) -> LayoutAdapter:
-    """The adapter for a backend layout name (``cpu``, ``kv_first``, ``block_first``)."""
+def adapter_for(name: str, geometry: KVGeometry, orders: "tuple[SlabOrder, SlabOrder] | None" = None
+                ) -> LayoutAdapter:
+    """The adapter for a backend layout name (``cpu``, ``kv_first``, ``block_first``, ``head_split``);
+    ``orders``: the CPU backend's K and V slab orders (``kvtier.move.slaborder``)."""
     try:
-        return _ADAPTERS[name](geometry)
+        cls = _ADAPTERS[name]
     except KeyError:
         raise UsageError(f"unknown KV layout {name!r}", hint="one of: " + ", ".join(_ADAPTERS)) from None
+    return CpuLayout(geometry, orders) if cls is CpuLayout else cls(geometry)

@@ -104,7 +104,7 @@ def fingerprint_from_vllm(vllm_config: Any, model_id: str | None = None) -> Mode
     weights = weights_of(vllm_config)
     _, shards = parallel_of(vllm_config)
     return ModelFingerprint(f"{model_id}@{current_platform.device_type}", geometry, weights, shards=shards,
-                            kv_scales=scales)
+                            kv_scales=scales, kv_order="canonical" if current_platform.device_type == "cpu" else "")
 
 
 def weights_of(vllm_config: Any) -> str:
