@@ -73,3 +73,22 @@ def test_odd_entries_in_a_figures_file_are_skipped_not_fatal(cache):
                                 "int4": {"model_needle_acc_1k": "bad", "model_needle_acc_x": 0.1},
                                 "fp8": ["not", "a", "dict"]}})
     assert recall_warning("int4", 131072) is None and recall_warning("fp8", 131072) is None
+
+
+def test_the_constructed_models_figures_are_read_like_the_trained_ones():
+    figures = {"per_codec": {"none": {"constructed_needle_acc_4k": 1.0, "constructed_needle_acc_128k": 1.0},
+                             "int4": {"constructed_needle_acc_4k": 1.0, "constructed_needle_acc_128k": 0.7}}}
+    assert falls_at("int4", figures) == 131072
+    assert recall_warning("int4", 65536, figures=figures) is None
+    assert "131,072" in recall_warning("int4", 131072, figures=figures)
+
+
+def test_the_shipped_figures_reach_128k_on_the_constructed_model(cache):
+    """What kvtier ships is issue 34's run: the constructed model to 128k, every product codec and
+    the naive reference through the tier; no product codec falls, the reference does."""
+    doc = load_figures()
+    assert doc["_model_kind"] == "constructed" and max(doc["_lengths"]) == 131072
+    assert doc["per_codec"]["none"]["constructed_needle_acc_128k"] >= 0.95
+    for spec in ("fp8", "int8", "int4-lc"):
+        assert falls_at(spec, doc) is None, spec
+    assert falls_at("int4-naive", doc) is not None
