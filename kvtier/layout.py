@@ -201,6 +201,9 @@ class ModelFingerprint:
             return "it was taken with other weights of the same model"
         if other.kv_scales != self.kv_scales:
             return "its fp8 KV was scaled differently"
+        if other.kv_order != self.kv_order:
+            theirs = other.kv_order or "vLLM CPU's packed order, stored by an older kvtier"
+            return f"its blocks are in another order ({theirs}) than this server's ({self.kv_order or 'as stored'})"
         return "its model fingerprint differs"
 
 

@@ -185,7 +185,7 @@ def parse_lengths(text: str) -> tuple[int, ...]:
         except ValueError:
             raise UsageError(f"bad context length {part!r}", hint="lengths in tokens, e.g. 1024,4k,16k") from None
         if not 64 <= n <= 1 << 20:  # the model's own limit is checked next (kvtier.bench.vllm.needle)
-            raise UsageError(f"context length {n} is out of range", hint="between 64 and 131072 tokens")
+            raise UsageError(f"context length {n} is out of range", hint="between 64 and 131072 tokens (128k)")
         out.append(n)
     return tuple(sorted(set(out)))
 

@@ -75,12 +75,14 @@ class SlabOrder:
 IDENTITY = None  # CpuLayout's default: slabs taken to be in canonical order already
 
 
-def probe_map(write, tokens: int, dim: int, cache_dtype, read_dtype) -> "tuple[torch.Tensor, torch.Tensor]":
+def probe_map(write, tokens: int, dim: int, cache_dtype, read_dtype, src_dtype=None
+              ) -> "tuple[torch.Tensor, torch.Tensor]":
     """(K map, V map): the logical index ``t * D + d`` each stored position of a (block, head) slab
     holds, found by calling ``write(key, value, key_cache, value_cache, slot_mapping)`` (vLLM's
-    reshape-and-cache for one ISA) on bf16 tensors whose values are base-4 digits of t or d: 0..3
-    are exact in every KV dtype, fp8 included, so one call per digit reads the order back. The cache
-    is allocated as ``cache_dtype`` (vLLM's fp8 caches are uint8) and read back as ``read_dtype``."""
+    reshape-and-cache for one ISA) on tensors of ``src_dtype`` (the model's dtype, which the kernel
+    dispatches on; default ``read_dtype``) whose values are base-4 digits of t or d: 0..3 are exact
+    in every KV dtype, fp8 included, so one call per digit reads the order back. The cache is
+    allocated as ``cache_dtype`` (vLLM's fp8 caches are uint8) and read back as ``read_dtype``."""
     import torch
 
     cache = torch.zeros(1, 1, tokens, 2 * dim, dtype=cache_dtype)
@@ -89,7 +91,7 @@ def probe_map(write, tokens: int, dim: int, cache_dtype, read_dtype) -> "tuple[t
     for size, place in ((tokens, dim), (dim, 1)):  # t, weighted D; then d, weighted 1
         weight = 1
         while weight < size:
-            digits = (torch.arange(size) // weight % 4).to(torch.bfloat16)
+            digits = (torch.arange(size) // weight % 4).to(src_dtype or read_dtype)
             src = (digits.view(size, 1) if place > 1 else digits.view(1, size)).expand(tokens, dim)
             src = src.reshape(tokens, 1, dim).contiguous()
             cache.zero_()

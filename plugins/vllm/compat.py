@@ -75,6 +75,9 @@ INTERNALS = (
     Internal(_EVENTS, "BlockStored", "HBM view: a block vLLM cached (matched by class name)"),
     Internal(_EVENTS, "BlockRemoved", "HBM view: a block vLLM evicted (matched by class name)"),
     Internal(_EVENTS, "AllBlocksCleared", "HBM view: vLLM's prefix cache reset (matched by class name)"),
+    Internal("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa",
+             "the ISA vLLM's CPU attention runs, which packs each KV block for itself (kvorder.py)"),
+    Internal("vllm._custom_ops", "cpu_attn_reshape_and_cache", "measures that packing at start (kvorder.py)"),
     Internal("vllm.distributed.kv_transfer", "get_kv_transfer_group", "bench and tests: the process's connector"),
     Internal("vllm.distributed.kv_transfer", "ensure_kv_transfer_shutdown", "bench and tests: one engine at a time"),
 )

@@ -78,12 +78,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             if untested:
                 self._scheduler.manager.warn("vllm_version", untested)
         else:
-            from kvtier.plugins.vllm.kvorder import cpu_attn_isa
+            from kvtier.plugins.vllm.kvorder import cpu_kv_order
             from kvtier.plugins.vllm.worker import KVTierWorker
 
+            order = cpu_kv_order(vllm_config, fingerprint.geometry)  # measured once per process (cached)
             self._worker = KVTierWorker(fingerprint, config, rank=parallel_of(vllm_config)[0],
                                         refingerprint=lambda: fingerprint_from_vllm(vllm_config, config.model_id),
-                                        isa=cpu_attn_isa(vllm_config))
+                                        kv_orders=order[1] if order else None)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

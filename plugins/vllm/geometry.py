@@ -16,7 +16,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.layout import KVGeometry, ModelFingerprint
 
-__all__ = ["check_supported", "fingerprint_from_vllm", "kv_dtype_name", "layout_name", "parallel_of",
+__all__ = ["check_supported", "fingerprint_from_vllm", "kv_dtype_name", "parallel_of",
            "weights_of"]
 
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -103,8 +103,11 @@ def fingerprint_from_vllm(vllm_config: Any, model_id: str | None = None) -> Mode
     scales = f"{cache_dtype}:checkpoint-or-unit" if cache_dtype in _FP8 else ""
     weights = weights_of(vllm_config)
     _, shards = parallel_of(vllm_config)
+    from kvtier.plugins.vllm.kvorder import cpu_kv_order
+
+    order = cpu_kv_order(vllm_config, geometry)  # CPU: how blocks are ordered (canonical once measured)
     return ModelFingerprint(f"{model_id}@{current_platform.device_type}", geometry, weights, shards=shards,
-                            kv_scales=scales, kv_order="canonical" if current_platform.device_type == "cpu" else "")
+                            kv_scales=scales, kv_order=order[0] if order else "")
 
 
 def weights_of(vllm_config: Any) -> str:
@@ -115,16 +118,6 @@ def weights_of(vllm_config: Any) -> str:
 
     model_config = vllm_config.model_config
     return weights_identity(model_config.model, getattr(model_config, "revision", None))
-
-
-def layout_name(kv_layer: Any) -> str:
-    """The layout adapter for one of vLLM's per-layer KV tensors, by its logical shape: the CPU
-    backend's ``[n, H, B, 2D]`` (contiguous), the CUDA backends' same logical view over strided
-    memory, or the older 5-D ``[2, n, B, H, D]`` / ``[n, 2, B, H, D]`` forms (vLLM 0.32's and 0.33's
-    ``kv_cache_layout.py`` are the same file)."""
-    if kv_layer.dim() == 5:
-        return "kv_first" if kv_layer.shape[0] == 2 and kv_layer.shape[1] != 2 else "block_first"
-    return "cpu" if kv_layer.device.type == "cpu" else "head_split"
 
 
 class VllmBlockKeys:

@@ -93,10 +93,10 @@ def _layer_index(name: str) -> int:
 
 class KVTierWorker:
     def __init__(self, fingerprint: ModelFingerprint, config: ConnectorConfig, rank: int = 0,
-                 refingerprint: Callable[[], ModelFingerprint] | None = None, isa: str | None = None):
+                 refingerprint: Callable[[], ModelFingerprint] | None = None, kv_orders: Any = None):
         """``refingerprint``: the engine's fingerprint as vLLM's config says now (read again on wake-up
-        from a sleep; None: weights never change). ``isa``: vLLM's CPU attention ISA (``kvorder``)."""
-        self.rank, self.shards, self.isa = rank, fingerprint.shards, isa
+        from a sleep; None: weights never change). ``kv_orders``: vLLM's CPU KV packing (``kvorder``)."""
+        self.rank, self.shards, self.kv_orders = rank, fingerprint.shards, kv_orders
         self.fingerprint = fingerprint.for_rank(rank) if self.shards > 1 else fingerprint  # its files carry it
         self.config = config
         self._lock = threading.Lock()  # the transfer bookkeeping below (mover threads finish jobs)
@@ -145,7 +145,7 @@ class KVTierWorker:
         if nvme_dir and nvme_bytes:
             self.nvme = open_nvme(nvme_dir, nvme_bytes, self.config.io_threads, self.config.direct_io,
                                   rank=self.rank, shards=self.shards)
-        adapter = kv_adapter(layers[0], geometry, self.isa)
+        adapter = kv_adapter(layers[0], geometry, self.kv_orders)
         self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers, rank=self.rank, shards=self.shards,
                            **self._shared_tier(geometry))
         if self.mover.publisher is not None:  # its state and counters reach status with the next step
@@ -399,7 +399,7 @@ class KVTierWorker:
             self._weights_report = now.weights
             log.warning("kvtier: the model's weights changed while vLLM slept (%s -> %s): blocks computed with the "
                         "old ones are never loaded", old.weights or "unknown", now.weights or "unknown")
-        attach_kv(self.mover, self._kv, kv_adapter(self._kv[0], self.fingerprint.geometry, self.isa))
+        attach_kv(self.mover, self._kv, kv_adapter(self._kv[0], self.fingerprint.geometry, self.kv_orders))
         self.asleep = False
 
     def take_weights_report(self) -> str | None:

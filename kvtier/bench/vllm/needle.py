@@ -87,7 +87,11 @@ def check_needle_lengths(kind: str, lengths: Sequence[int], available: int | Non
         raise UsageError(f"context length {length_label(longest)} ({longest:,} tokens) is beyond the {kind} model's "
                          f"max_model_len ({name}: {positions:,} positions, {MARGIN_TOKENS} kept for the question)",
                          hint=f"use lengths in tokens up to {positions - MARGIN_TOKENS:,}, e.g. 4k,32k,128k")
-    kv_space = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")) * (1 << 30))
+    try:
+        kv_space = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")) * (1 << 30))
+    except ValueError:
+        raise UsageError(f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']!r} is not a number",
+                         hint="set it in GiB, e.g. VLLM_CPU_KVCACHE_SPACE=4") from None
     if (longest + MARGIN_TOKENS) * per_token > kv_space:
         raise UsageError(f"a {longest:,}-token haystack needs {fmt_bytes((longest + MARGIN_TOKENS) * per_token)} of "
                          f"vLLM KV cache; VLLM_CPU_KVCACHE_SPACE gives {fmt_bytes(kv_space)}",

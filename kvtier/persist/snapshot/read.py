@@ -204,6 +204,9 @@ def _check_fingerprint(info: SnapshotInfo, expected: ModelFingerprint | bytes | 
         if isinstance(expected, ModelFingerprint) and info.fingerprint.shards != expected.shards:
             raise _fail(info.path, expected.mismatch(info.fingerprint), "snapshots restore at the "
                         "tensor-parallel size they were taken at", FingerprintMismatchError)
+        if isinstance(expected, ModelFingerprint) and info.fingerprint.kv_order != expected.kv_order:
+            raise _fail(info.path, expected.mismatch(info.fingerprint), "its KV cannot be reordered safely: "
+                        "take the snapshot again (or recompute the session)", FingerprintMismatchError)
         want = expected.model_id if isinstance(expected, ModelFingerprint) else bytes(digest).hex()
         raise _fail(info.path, f"taken with model {info.fingerprint.model_id!r} ({info.fingerprint.hex}), "
                     f"not the expected {want!r}", "restore it into the model, KV dtype and block size "

@@ -76,8 +76,35 @@ def test_without_the_orders_a_cpu_block_is_not_canonical(isa):
 def test_fp8_caches_have_the_same_orders(spec, dtype):
     """vLLM stores fp8 KV as uint8 bits; the probe's digits 0..3 are exact in both fp8 formats."""
     write = _write("amx", spec)
-    maps = probe_map(write, 128, 128, torch.uint8, dtype)
+    maps = probe_map(write, 128, 128, torch.uint8, dtype, torch.bfloat16)
     assert [SlabOrder.find(m, 128, 128) for m in maps] == list(_orders("amx", KVGeometry(1, 1, 128, 128)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fp16_and_fp32_models_are_probed_in_their_own_dtype(dtype):
+    """The kernel dispatches on the key's dtype: bf16 digits in an fp16 cache would read back wrong."""
+    maps = probe_map(_write("vec"), 32, 64, dtype, dtype)
+    assert [SlabOrder.find(m, 32, 64) for m in maps] == list(_orders("vec", KVGeometry(1, 1, 64, 32)))
+
+
+def _config(dtype=torch.bfloat16, block=128, head=128, cache="auto"):
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(dtype=dtype, get_head_size=lambda: head)
+    return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=block, cache_dtype=cache))
+
+
+def test_the_connector_measures_the_order_and_says_so_in_the_fingerprint(monkeypatch):
+    from kvtier.plugins.vllm import compat
+    from kvtier.plugins.vllm.kvorder import cpu_kv_order
+
+    geometry = KVGeometry(2, 2, 128, 128, "bfloat16")
+    label, orders = cpu_kv_order(_config(), geometry)
+    assert label == "canonical" and orders == _orders(compat._get_attn_isa(torch.bfloat16, 128, 128, "auto"),
+                                                     geometry)
+    # an ISA whose packing cannot be measured: copies as stored, and a fingerprint that says so
+    monkeypatch.setattr("vllm.v1.attention.backends.cpu_attn._get_attn_isa", lambda *a: "no-such-isa")
+    assert cpu_kv_order(_config(), KVGeometry(2, 2, 128, 128, "bfloat16")) == ("packed:no-such-isa", None)
 
 
 def test_an_unknown_order_is_not_guessed():
@@ -94,3 +121,4 @@ def test_blocks_stored_before_the_orders_never_load_into_a_cpu_engine():
     now = ModelFingerprint("m@cpu", geometry, "w", kv_order="canonical")
     assert before.digest != now.digest
     assert ModelFingerprint.from_dict(now.to_dict()) == now
+    assert "another order" in now.mismatch(before) and "older kvtier" in now.mismatch(before)
