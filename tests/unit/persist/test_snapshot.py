@@ -1,6 +1,7 @@
 """Session snapshot files: round trips, validation of hostile files, crash safety."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -188,6 +189,18 @@ def test_fingerprint_mismatch_before_any_block(tmp_path):
         read_blocks(path, expected_fingerprint=OTHER_FP.digest)
     with pytest.raises(FingerprintMismatchError):
         verify_snapshot(path, OTHER_FP)
+
+
+def test_a_snapshot_of_the_packed_cpu_order_is_refused_in_words(tmp_path):
+    """Taken by a kvtier that stored vLLM CPU's packed order (no kv_order): a server whose blocks are
+    canonical refuses it and says why, rather than "another model"."""
+    path = tmp_path / "s.kvsnap"
+    _write(path, [PAGE, PAGE])
+    now = dataclasses.replace(FP, kv_order="canonical")
+    with pytest.raises(FingerprintMismatchError) as excinfo:
+        read_blocks(path, expected_fingerprint=now)
+    assert "another order" in str(excinfo.value) and "older kvtier" in str(excinfo.value)
+    assert "take the snapshot again" in (excinfo.value.hint or "")
 
 
 @pytest.mark.parametrize("keep", [0, 5, 40, 100, -PAGE, -1])
