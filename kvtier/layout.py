@@ -8,10 +8,11 @@ one canonical, backend-independent order::
 so a block written by the CPU backend loads into a CUDA backend and a snapshot is portable. The
 order is head-major because that is the CPU backend's own block layout, while on a GPU the
 transpose is free. Within a head's slab vLLM's CPU attention packs K and V for its ISA (AMX
-tiles, a transposed K): ``kvtier.move.slaborder`` measures that order on the running vLLM and the CPU
-adapter copies through it, so a block is canonical (codecs group real channels and tokens)
-whatever the ISA. The adapters gather whole blocks from vLLM's tensors into that order and scatter them back; the
-canonical order also gives codecs their K and V views (``k_view`` / ``v_view``).
+tiles, a transposed K): ``kvtier.move.slaborder`` measures that order on the running vLLM and
+the CPU adapter copies through it, so a block is canonical (codecs group real channels and
+tokens) whatever the ISA. The adapters gather whole blocks from vLLM's tensors into that order
+and scatter them back; the canonical order also gives codecs their K and V views (``k_view`` /
+``v_view``).
 
 Backend layouts handled (one tensor per layer, all from vLLM 0.32):
 
@@ -302,10 +303,10 @@ class CpuLayout(LayoutAdapter):
     """vLLM CPU backend: ``[num_blocks, H, B, 2*D]``, each head slab being K rows then V rows.
 
     The slab ``[B, 2D]`` is read by the kernel as ``[2B, D]``: K's B*D values, then V's. Within
-    each, vLLM's CPU attention packs the values for its ISA (``kvtier.move.slaborder``): ``orders`` says
-    how (K's, V's), as the connector measured it on the running vLLM; copies go through those
-    orders. ``orders`` None: the values are taken to be in canonical order already, ``[H, 2, B, D]``,
-    and gather/scatter are plain copies.
+    each, vLLM's CPU attention packs the values for its ISA (``kvtier.move.slaborder``):
+    ``orders`` says how (K's, V's), as the connector measured it on the running vLLM; copies go
+    through those orders. ``orders`` None: the values are taken to be in canonical order already,
+    ``[H, 2, B, D]``, and gather/scatter are plain copies.
     """
 
     name = "cpu"

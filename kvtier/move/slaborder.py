@@ -3,9 +3,9 @@
 vLLM's CPU backend allocates each layer's KV as ``[num_blocks, H, B, 2*D]``, read as ``[2B, D]`` per
 (block, head): B rows of K, then B rows of V. But its ``cpu_attn_reshape_and_cache`` does not write
 token t, channel d at row t, column d: each ISA packs the slab for its own kernel (vLLM 0.32,
-measured with the op itself on index-valued tensors, ``probe``):
+measured with the op itself on index-valued tensors, ``probe_map``):
 
-* ``amx`` (bf16, blocks of 32k tokens, AMX CPUs): K as VNNI pairs, tiles of 16 tokens x 2 channels
+* ``amx`` (bf16, block sizes a multiple of 32, AMX CPUs): K in tiles of 16 tokens x 2 channels
   (``[B/16, D/2, 16, 2]``); V as pairs of tokens (``[D/16, B/2, 16, 2]``);
 * ``vec`` / ``vec16`` (AVX-512, AVX2 and others): K transposed, ``[D, B]``; V as it is.
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["IDENTITY", "SlabOrder", "probe_map"]
+__all__ = ["SlabOrder", "probe_map"]
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,6 @@ class SlabOrder:
         if len(shape) == 4:
             logical = logical.unflatten(-1, shape[2:])
         return stored_view, logical.unflatten(-2 if len(shape) == 3 else -3, shape[:2])  # views, never copies
-
-
-IDENTITY = None  # CpuLayout's default: slabs taken to be in canonical order already
 
 
 def probe_map(write, tokens: int, dim: int, cache_dtype, read_dtype, src_dtype=None
