@@ -273,8 +273,6 @@ def bench_quality(
                                                  if k != "model_key_statistics"))
 
 
-
-
 def _model_needle(kind: str, lengths, haystacks: int, progress) -> dict:
     """The model needle in a child process (one vLLM engine per process); its figures are kept for
     kvtier status / doctor's recall warnings (kvtier.codecs.recall)."""
