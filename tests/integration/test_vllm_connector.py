@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -410,6 +411,14 @@ def test_cost_model_learns_while_serving_and_stops_storing_what_never_pays(tiny_
     close(llm)
 
 
+def stored_reach(llm, manager, count: int, timeout_s: float = 60.0) -> None:
+    """Step the idle engine until the worker has reported ``count`` stored blocks: it reports the
+    stores it finished in a step (an idle step waits in ``get_finished`` for one in flight)."""
+    deadline = time.monotonic() + timeout_s
+    while manager.stats()["counters"]["stored_blocks"] < count and time.monotonic() < deadline:
+        llm.llm_engine.step()
+
+
 def test_a_requests_retention_hint_reaches_its_session(tiny_model, tmp_path):
     """``kv_transfer_params: {"kvtier": {"retain_s": N, "priority": P}}`` on a real request: its session
     is retained, its stored blocks carry the hint; a malformed hint is ignored and its request served."""
@@ -423,6 +432,7 @@ def test_a_requests_retention_hint_reaches_its_session(tiny_model, tmp_path):
                                use_tqdm=False)[0]
             assert len(out.outputs[0].token_ids) == 2  # served either way
         manager = scheduler_connector(llm).manager
+        stored_reach(llm, manager, 6)  # the second request's stores are reported a step or more later
         rows = manager.sessions_overview()
         assert len(rows) == 2
         retained = [r for r in rows if r["retain_left_s"] is not None]
