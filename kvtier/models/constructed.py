@@ -85,6 +85,7 @@ from kvtier.models.retrieval import (
     VOCAB,
     accuracy,
     make_haystack,
+    read_info,
     save,
 )
 from kvtier.models.retrieval import INFO_FILE as RETRIEVAL_INFO
@@ -465,8 +466,4 @@ def ensure_constructed_model(cache_dir: str | os.PathLike[str] | None = None,
 
 def constructed_info(path: str | os.PathLike[str]) -> dict | None:
     """The construction record, measured accuracies and key statistics of a directory (None: not one)."""
-    try:
-        info = json.loads((Path(path) / INFO_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) and info.get("kvtier_constructed") else None
+    return read_info(path, INFO_FILE, "kvtier_constructed")

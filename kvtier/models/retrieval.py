@@ -223,11 +223,17 @@ def ensure_retrieval_model(cache_dir: str | os.PathLike[str] | None = None,
 
 def model_info(path: str | os.PathLike[str]) -> dict | None:
     """The training record and measured accuracies of a retrieval model directory (None: not one)."""
+    return read_info(path, INFO_FILE, "kvtier_retrieval")
+
+
+def read_info(path: str | os.PathLike[str], name: str, marker: str) -> dict | None:
+    """The JSON record ``name`` of a model directory when it is a dict carrying ``marker``; None when
+    it is missing, unreadable or another model's."""
     try:
-        info = json.loads((Path(path) / INFO_FILE).read_text())
+        info = json.loads((Path(path) / name).read_text())
     except (OSError, ValueError):
         return None
-    return info if isinstance(info, dict) and info.get("kvtier_retrieval") else None
+    return info if isinstance(info, dict) and info.get(marker) else None
 
 
 def _tokenizer(out: Path) -> None:
