@@ -8,9 +8,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from support.clock import FakeClock
 
 from kvtier.bench.checks import FigureRefused, require, reset_served_prefix_cache
-from tests.support.clock import FakeClock
 
 
 class ResetStandIn:
