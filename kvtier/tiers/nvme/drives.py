@@ -216,6 +216,7 @@ class DriveSet:
         """One group commit per drive, all drives at once; a block whose drive failed (full, read-only,
         gone) goes to its next drive. Per block what ``NvmeStore.write_batch`` says."""
         out: list = [None] * len(blocks)
+        written_on: list[int | None] = [None] * len(blocks)
         orders = [self.order(b[1]) for b in blocks]
         pending = list(range(len(blocks)))
         for attempt in range(len(self.drives)):
@@ -229,24 +230,26 @@ class DriveSet:
                     out[pos] = outcome
                     if isinstance(outcome, BaseException):
                         pending.append(pos)
+                    else:
+                        written_on[pos] = i
             if not pending:
                 break
-        self._drop_other_copies(blocks, out)
+        self._drop_other_copies(blocks, written_on)
         return out
 
-    def _drop_other_copies(self, blocks: Sequence[tuple[bytes, bytes, Any, str]], out: list) -> None:
-        """A block written to one drive while an older copy lies on another (it went there when its
-        own drive failed): the older copy goes, so a later drop cannot leave it behind to be read."""
+    def _drop_other_copies(self, blocks: Sequence[tuple[bytes, bytes, Any, str]],
+                           written_on: Sequence[int | None]) -> None:
+        """A block just written to one drive while another copy lies on another drive (it went there
+        when its own drive failed, or it goes elsewhere now because its own drive refuses writes):
+        every copy but the one just written goes, so reads find the copy that was acknowledged and
+        a later drop cannot leave an older one behind to be read."""
         stale: dict[int, list[Name]] = {}
-        for (ns, key, _payload, _codec), outcome in zip(blocks, out):
-            if isinstance(outcome, BaseException):
+        for (ns, key, _payload, _codec), kept in zip(blocks, written_on):
+            if kept is None:
                 continue
-            holders = [i for i, drive in enumerate(self.drives) if drive.contains(ns, key)]
-            if len(holders) > 1:
-                newest = self.holder(ns, key)
-                for i in holders:
-                    if i != newest:
-                        stale.setdefault(i, []).append((ns, key))
+            for i, drive in enumerate(self.drives):
+                if i != kept and drive.contains(ns, key):
+                    stale.setdefault(i, []).append((ns, key))
         for i, names in stale.items():
             self.drives[i].delete_many(names)
 

@@ -95,6 +95,26 @@ def test_a_block_rewritten_on_its_own_drive_leaves_no_copy_behind(tmp_path, monk
     drives.close()
 
 
+def test_a_block_rewritten_while_its_own_drive_refuses_writes_keeps_the_new_copy(tmp_path, monkeypatch):
+    """Drive 0 still lists a block's older copy but refuses writes (EIO): the rewrite goes to drive 1 and
+    is acknowledged; the copy kept must be that one, never the older one on the failing drive."""
+    import errno
+
+    drives = DriveSet([tmp_path / "a", tmp_path / "b"], 64 << 20, io_threads=2)
+    mine = [b for b in blocks(40) if drives.order(b[1])[0] == 0][:5]
+    assert mine and not any(isinstance(o, BaseException) for o in drives.write_batch(mine, FP))
+    assert all(drives.drives[0].contains(NS, b[1]) for b in mine)  # on their own drive
+    rng = np.random.default_rng(7)
+    newer = [(ns, key, rng.integers(0, 256, BLOCK, dtype=np.uint8), codec) for ns, key, _p, codec in mine]
+    monkeypatch.setattr(drives.drives[0], "write_batch",
+                        lambda batch, fp: [OSError(errno.EIO, "Input/output error")] * len(batch))
+    assert not any(isinstance(o, BaseException) for o in drives.write_batch(newer, FP))  # acknowledged
+    assert all(drives.drives[1].contains(NS, b[1]) for b in newer)  # the acknowledged copies stay
+    assert not any(drives.drives[0].contains(NS, b[1]) for b in newer)  # the older ones go
+    assert read_all(drives, newer) == [True] * len(newer)  # reads find the new bytes
+    drives.close()
+
+
 def files_of(root: Path) -> dict[str, bytes]:
     found = {p.name: p.read_bytes() for p in (root / "segments").iterdir()}
     return found | {"index.kvj": (root / "index.kvj").read_bytes()}
