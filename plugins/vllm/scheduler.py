@@ -273,7 +273,8 @@ class KVTierScheduler:
         state = self.requests.get(request.request_id)
         if state is None:
             namespace = namespace_of(self.fingerprint.digest, getattr(request, "cache_salt", None))
-            state = RequestState(request, namespace, session_of(request), retain=retain_hint_of(request))
+            hint, ignored = retain_hint_of(request)
+            state = RequestState(request, namespace, session_of(request), retain=hint, hint_ignored=ignored)
             self.requests[request.request_id] = state
             arrival = getattr(request, "arrival_time", None)  # vLLM's handling of it until now: part of a TTFT
             if isinstance(arrival, float) and 0 < arrival <= time.time():
@@ -489,5 +490,8 @@ class KVTierScheduler:
             session.hot = False
             if not session.keys:  # shorter than a block: its length with the reply
                 session.num_tokens = max(session.num_tokens, int(request.num_tokens))
-        return held, {"kvtier": {"session_id": state.session_id, "loaded_tokens": state.loaded_tokens}}
+        ours = {"session_id": state.session_id, "loaded_tokens": state.loaded_tokens}
+        if state.hint_ignored:  # the client hears why its hint did nothing (the server log is not theirs)
+            ours["hint_ignored"] = state.hint_ignored
+        return held, {"kvtier": ours}
 

@@ -43,16 +43,17 @@ def anonymous_session(first_block_hash: bytes) -> str:
     return f"anon-{bytes(first_block_hash).hex()[:16]}"
 
 
-def retain_hint_of(request: Any) -> RetainHint | None:
+def retain_hint_of(request: Any) -> tuple[RetainHint | None, str | None]:
     """The retention hint a request carries in ``kv_transfer_params`` (``{"kvtier": {"retain_s": N,
-    "priority": P}}``, see ``kvtier.plan.retention``); a malformed one is ignored with one warning and
-    never fails the request."""
+    "priority": P}}``, see ``kvtier.plan.retention``), and why it was ignored: a malformed one never
+    fails the request; it is logged once, and the reason goes back to the client in the response's
+    ``kv_transfer_params.kvtier.hint_ignored`` (``request_finished``)."""
     try:
-        return parse_retain_hint(getattr(request, "kv_transfer_params", None))
+        return parse_retain_hint(getattr(request, "kv_transfer_params", None)), None
     except KvtierError as exc:
-        log.warning("kvtier: ignoring the retention hint of request %s: %s (%s)",
-                    getattr(request, "request_id", "?"), exc.message, exc.hint)
-        return None
+        why = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
+        log.warning("kvtier: ignoring the retention hint of request %s: %s", getattr(request, "request_id", "?"), why)
+        return None, f"retention hint ignored: {why}"
 
 
 @dataclass
@@ -72,3 +73,4 @@ class RequestState:
     turn: Any = None  # kvtier.plan.reasons.TurnRecord: its entry in the session's turn log
     shared: Any = None  # its shared-store lookup / fetch (kvtier.plugins.vllm.shared.SharedLookups)
     retain: RetainHint | None = None  # its retention hint, until applied to its session (first stores)
+    hint_ignored: str | None = None  # why its retention hint was ignored (told to the client at its end)

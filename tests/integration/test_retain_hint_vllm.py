@@ -19,7 +19,7 @@ def test_the_documented_body_reaches_the_connector():
             "kv_transfer_params": {"kvtier": {"retain_s": 600, "priority": 2}}}
     params = ChatCompletionRequest.model_validate(body).to_sampling_params(16, {})
     request = Request("req-1", [1, 2, 3], params, None)
-    assert retain_hint_of(request) == RetainHint(600.0, 2)
+    assert retain_hint_of(request) == (RetainHint(600.0, 2), None)
     plain = Request("req-2", [1, 2, 3], ChatCompletionRequest.model_validate(
         {k: v for k, v in body.items() if k != "kv_transfer_params"}).to_sampling_params(16, {}), None)
-    assert retain_hint_of(plain) is None
+    assert retain_hint_of(plain) == (None, None)

@@ -421,16 +421,20 @@ def stored_reach(llm, manager, count: int, timeout_s: float = 60.0) -> None:
 
 def test_a_requests_retention_hint_reaches_its_session(tiny_model, tmp_path):
     """``kv_transfer_params: {"kvtier": {"retain_s": N, "priority": P}}`` on a real request: its session
-    is retained, its stored blocks carry the hint; a malformed hint is ignored and its request served."""
+    is retained, its stored blocks carry the hint; a malformed hint is ignored, its request served, and
+    its response says why the hint was ignored."""
     def params(hint):
         return SamplingParams(temperature=0, max_tokens=2, extra_args={"kv_transfer_params": {"kvtier": hint}})
 
     llm = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme", extra_config={"always_load": True})
     try:
+        told = []
         for seed, hint in ((1, {"retain_s": 600, "priority": 2}), (2, {"retain_s": -1})):
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt_of(seed, 3 * BLOCK + 10))], params(hint),
                                use_tqdm=False)[0]
             assert len(out.outputs[0].token_ids) == 2  # served either way
+            told.append(((out.kv_transfer_params or {}).get("kvtier") or {}).get("hint_ignored"))
+        assert told[0] is None and "retain_s -1 is out of range" in told[1]  # the client hears why
         manager = scheduler_connector(llm).manager
         stored_reach(llm, manager, 6)  # the second request's stores are reported a step or more later
         rows = manager.sessions_overview()

@@ -1,7 +1,7 @@
 """The connector reads a request's retention hint from ``kv_transfer_params`` (where vLLM puts the
 request body's ``kv_transfer_params``; tests/integration/test_retain_hint_vllm.py builds a real vLLM
-request from the documented body). A bad hint is ignored with one warning, never failing the request.
-Importing ``kvtier.plugins.vllm.state`` imports no vLLM."""
+request from the documented body). A bad hint is ignored with one warning, never failing the request,
+and the client is told why. Importing ``kvtier.plugins.vllm.state`` imports no vLLM."""
 from __future__ import annotations
 
 import logging
@@ -26,7 +26,7 @@ def request(params):
 ])
 def test_the_hint_is_read_from_kv_transfer_params(params, hint, caplog):
     with caplog.at_level(logging.WARNING, logger="kvtier.connector"):
-        assert retain_hint_of(request(params)) == hint
+        assert retain_hint_of(request(params)) == (hint, None)
     assert caplog.records == []
 
 
@@ -34,8 +34,8 @@ def test_the_hint_is_read_from_kv_transfer_params(params, hint, caplog):
                                     {"kvtier": {"session_id": "a", "loaded_tokens": 0}}])  # kvtier's own answer
 def test_no_hint_is_no_hint_and_no_warning(params, caplog):
     with caplog.at_level(logging.WARNING, logger="kvtier.connector"):
-        assert retain_hint_of(request(params)) is None
-        assert retain_hint_of(SimpleNamespace(request_id="r")) is None  # a request without the attribute
+        assert retain_hint_of(request(params)) == (None, None)
+        assert retain_hint_of(SimpleNamespace(request_id="r")) == (None, None)  # a request without the attribute
     assert caplog.records == []
 
 
@@ -46,9 +46,10 @@ def test_no_hint_is_no_hint_and_no_warning(params, caplog):
     ({"retain_s": 60, "priority": "high"}, "priority"), ({"retain_s": 60, "priority": -1}, "priority"),
     ({"retain_s": 60, "priority": 2.5}, "priority"), ({"retain_s": 60, "priority": 10**7}, "priority"),
 ])
-def test_a_bad_hint_is_ignored_with_one_warning(ours, why, caplog):
+def test_a_bad_hint_is_ignored_with_one_warning_and_the_reason_for_the_client(ours, why, caplog):
     with caplog.at_level(logging.WARNING, logger="kvtier.connector"):
-        assert retain_hint_of(request({"kvtier": ours})) is None
+        hint, ignored = retain_hint_of(request({"kvtier": ours}))
+    assert hint is None and ignored.startswith("retention hint ignored: ") and why in ignored
     assert len(caplog.records) == 1
     assert "req-1" in caplog.records[0].getMessage() and why in caplog.records[0].getMessage()
 
