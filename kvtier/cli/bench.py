@@ -233,12 +233,12 @@ def bench_quality(
             out = run_vllm_quality(QUALITY_CODECS, quick=quick, progress=progress)
         captured, per_codec = out["captured"], out["per_codec"]
         context = {k: v for k, v in out.items() if k.startswith("_")}
-    needle = _model_needle(model, lengths, haystacks or (2 if quick else 8), progress) if vllm and model_needle \
-        else None
+    needle = _model_needle(model, lengths, haystacks or (2 if quick else 8), progress, quick) \
+        if vllm and model_needle else None
     if needle:
         context["model_needle"] = {k.lstrip("_"): needle.get(k) for k in (
             "_model_kind", "_lengths", "_trials_per_length", "_haystacks_per_length", "_wall_s", "_seed",
-            "_model_key_statistics")}
+            "_full_run", "_model_key_statistics")}
     results = run_quality_harness(quick=quick, captured=captured, progress=progress, trials=trials or None,
                                   long_trials=long_trials or None)
     for spec, entry in results.items():
@@ -273,14 +273,19 @@ def bench_quality(
                                                  if k != "model_key_statistics"))
 
 
-def _model_needle(kind: str, lengths, haystacks: int, progress) -> dict:
-    """The model needle in a child process (one vLLM engine per process); its figures are kept for
-    kvtier status / doctor's recall warnings (kvtier.codecs.recall)."""
+def _model_needle(kind: str, lengths, haystacks: int, progress, quick: bool) -> dict:
+    """The model needle in a child process (one vLLM engine per process), which refuses figures whose
+    codecs' loads did not happen. A full run's figures (not ``quick``, as many trials and lengths as
+    the shipped ones: ``kvtier.codecs.recall.run_problems``) are kept for kvtier status / doctor's
+    recall warnings; a smaller run's are shown, never kept: they would replace stronger figures."""
     from kvtier.bench.vllm.needle import run_in_child
-    from kvtier.codecs.recall import save_figures
+    from kvtier.codecs.recall import keep_figures
 
     needle = run_in_child(lengths, haystacks, progress=progress, kind=kind)
-    save_figures(needle)
+    kept, problems = keep_figures(needle, quick)
+    progress(f"model needle figures kept for the recall warnings: {kept}" if kept else
+             "model needle figures not kept for the recall warnings (the shipped or a full run's stay): "
+             + "; ".join(problems))
     return needle
 
 

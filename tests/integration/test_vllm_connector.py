@@ -11,6 +11,7 @@ import tempfile
 import time
 
 import pytest
+from support.realpath import need
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
-vllm = pytest.importorskip("vllm")
+vllm = need("vllm")
 from support.engine import records_on_disk  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
@@ -350,11 +351,14 @@ def test_lossy_cold_codec_through_vllm(tiny_model, tmp_path, monkeypatch):
     the greedy tokens match the uncompressed run (the tiny model is robust to this error). With
     needle figures on this box that show int4-lc falling at 2k tokens, the connector warns (this
     engine accepts 4k-token contexts)."""
-    from kvtier.codecs.recall import save_figures
+    from kvtier.codecs.recall import FULL_LENGTHS, save_figures
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    save_figures({"per_codec": {"none": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 1.0},
-                                "int4-lc": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 0.8}}})
+    loads = {"_loaded_blocks": 8, "_expected_blocks": 8}  # a full run's evidence: every codec's blocks loaded
+    save_figures({"per_codec": {"none": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 1.0, **loads},
+                                "int4-lc": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 0.8, **loads}},
+                  "_lengths": [1024, 2048, *FULL_LENGTHS], "_trials_per_length": 40, "_quick": False,
+                  "_full_run": True})
     history = prompt_of(33, 1100)
     follow_up = history + prompt_of(34, 60)
     plain = baseline(tiny_model, [history, follow_up])[1]

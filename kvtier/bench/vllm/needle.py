@@ -14,7 +14,8 @@ carry outlier channels and an attention sink as real models' do) and ``trained``
 3. per codec: the session is dropped everywhere and vLLM's prefix cache reset, the snapshot is
    restored into DRAM (raw), evicted to NVMe (re-encoded by the codec), the prefix cache reset again,
    and every record is asked for: the first question loads the haystack from NVMe through the
-   codec's decoder (the bench checks that it did: ``_loaded_blocks``), the next ones find that
+   codec's decoder (the bench checks that it did, ``check_loaded``: a codec with fewer blocks loaded
+   than the haystacks' full blocks refuses the figures; ``_loaded_blocks``), the next ones find that
    decoded KV in vLLM's prefix cache. Only the haystack's last partial block and the question are
    computed in full precision.
 
@@ -30,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["DEPTHS", "NEEDLE_CODECS", "NEEDLE_LENGTHS", "NEEDLE_MODELS", "check_needle_lengths", "key_prefix",
-           "run_model_needle"]
+__all__ = ["DEPTHS", "NEEDLE_CODECS", "NEEDLE_LENGTHS", "NEEDLE_MODELS", "check_loaded", "check_needle_lengths",
+           "key_prefix", "run_model_needle"]
 
 NEEDLE_CODECS = ("none", "fp8", "int8", "int4", "int4-lc", "int4-lc+zstd")
 NEEDLE_MODELS = ("constructed", "trained")
@@ -103,6 +104,20 @@ def check_needle_lengths(kind: str, lengths: Sequence[int], available: int | Non
                          f"{fmt_bytes(have)} is available now",
                          hint="free memory, lower VLLM_CPU_KVCACHE_SPACE (GiB) or use shorter "
                               "--needle-lengths (tokens)")
+
+
+def check_loaded(loaded: dict[str, list[int]] | dict[str, tuple[int, int]]) -> None:
+    """Refuse the figures (``FigureRefused``) unless every codec's haystacks were loaded through its
+    decoder: ``loaded`` is {codec: (blocks loaded from NVMe, blocks expected)}. A codec with fewer
+    loaded than expected (none expected counts as none loaded) answered from KV that never went
+    through it, and its accuracy would be the full-precision model's."""
+    from kvtier.bench.checks import require
+
+    short = {spec: (got, want) for spec, (got, want) in loaded.items() if not got >= want > 0}
+    require(not short, "the needle figures are refused: " + ", ".join(
+                f"{spec} loaded {got:,} of {want:,} blocks from NVMe" for spec, (got, want) in short.items()),
+            hint="a codec whose loads did not happen would be recorded at full-precision accuracy; "
+                 "see the engine's log for the failed loads (always_load must be on)")
 
 
 def _ask(engine, stack, which: int) -> bool:
@@ -181,6 +196,7 @@ def run_model_needle(lengths: Sequence[int], haystacks: int, codecs: Sequence[st
                     engine.forget_hbm()
                 summary = ", ".join(f"{c} {hits[c][length][0]}/{hits[c][length][1]}" for c in hits)
                 progress(f"{length_label(length)}: {summary}")
+                check_loaded(loaded)  # each length: a run whose loads stopped fails before the next
         finally:
             engine.close()
     results = {}
@@ -245,25 +261,32 @@ def run_in_child(lengths: Sequence[int], haystacks: int, progress: Callable[[str
                  kind: str = "trained") -> dict:
     """``run_model_needle`` in a child process: one vLLM engine per process, and the codecs' numba
     kernels (compiled at the first decode) must not be loaded when a later engine of this process
-    starts (docs/codecs.md: the kernel-override trap). Progress lines stream through."""
+    starts (docs/codecs.md: the kernel-override trap). Progress lines stream through; figures the
+    child refused (``check_loaded``) are refused here too, in the child's words."""
     import json
     import subprocess
     import sys
 
+    from kvtier.bench.checks import FigureRefused
     from kvtier.errors import KvtierError
 
     cmd = [sys.executable, "-m", "kvtier.bench.vllm.needle", ",".join(map(str, lengths)), str(haystacks), kind]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None and proc.stdout is not None
     tail: list[str] = []
+    refused = None
     for line in proc.stderr:
         line = line.rstrip()
         if line.startswith("PROGRESS "):
             progress(line[len("PROGRESS "):])
+        elif line.startswith("REFUSED "):
+            refused = json.loads(line[len("REFUSED "):])
         elif line:
             tail = (tail + [line])[-20:]
     out = proc.stdout.read()
-    if proc.wait() != 0:
+    if proc.wait() != 0 and refused is not None:
+        raise FigureRefused(refused["message"], hint=refused.get("hint"))
+    if proc.returncode != 0:
         raise KvtierError("the model needle benchmark failed:\n" + "\n".join(tail),
                           hint=f"run `python -m kvtier.bench.vllm.needle 1024 1 {kind}` to see it alone")
     return json.loads(out)
@@ -277,7 +300,13 @@ if __name__ == "__main__":  # python -m kvtier.bench.vllm.needle LENGTHS HAYSTAC
     def _say(msg: str) -> None:
         print(f"PROGRESS {msg}", file=sys.stderr, flush=True)
 
-    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the result
-        result = run_model_needle([int(n) for n in sys.argv[1].split(",")], int(sys.argv[2]), progress=_say,
-                                  kind=sys.argv[3] if len(sys.argv) > 3 else "trained")
+    from kvtier.bench.checks import FigureRefused
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the result
+            result = run_model_needle([int(n) for n in sys.argv[1].split(",")], int(sys.argv[2]), progress=_say,
+                                      kind=sys.argv[3] if len(sys.argv) > 3 else "trained")
+    except FigureRefused as exc:  # the parent refuses it in these words (run_in_child)
+        print("REFUSED " + json.dumps({"message": exc.message, "hint": exc.hint}), file=sys.stderr, flush=True)
+        sys.exit(1)
     print(json.dumps(result))

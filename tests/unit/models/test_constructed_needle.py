@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from support.realpath import need
 
 from kvtier.bench.naive_codec import SPEC, register
 from kvtier.bench.vllm.needle import check_needle_lengths
@@ -82,11 +83,34 @@ def test_bench_quality_refuses_before_any_work():
         assert lines[0].startswith("error: ") and lines[1].startswith("hint: ")
 
 
+def test_a_codec_whose_blocks_were_not_all_loaded_refuses_the_figures():
+    """Issue 45: the needle bench checks what it says it checks. A codec with fewer blocks loaded from
+    NVMe than the haystacks' full blocks (its answers came from KV that never went through its
+    decoder: the full-precision model's accuracy) refuses the whole run; the shipped run's recorded
+    counts pass."""
+    import json
+
+    from kvtier.bench.checks import FigureRefused
+    from kvtier.bench.vllm.needle import check_loaded
+    from kvtier.codecs.recall import SHIPPED
+
+    shipped = json.loads(SHIPPED.read_text())["per_codec"]
+    check_loaded({spec: (entry["_loaded_blocks"], entry["_expected_blocks"])
+                  for spec, entry in shipped.items() if spec != "direct"})
+    check_loaded({"none": [8, 8], "int4-lc": [9, 8]})
+    with pytest.raises(FigureRefused) as err:
+        check_loaded({"none": [13568, 13568], "int4": [0, 13568], "fp8": [13000, 13568]})
+    assert "int4 loaded 0 of 13,568" in err.value.message and "fp8 loaded 13,000 of 13,568" in err.value.message
+    assert "none" not in err.value.message and "full-precision" in err.value.hint
+    with pytest.raises(FigureRefused, match="int8 loaded 0 of 0"):
+        check_loaded({"int8": [0, 0]})  # nothing expected: nothing was measured through it either
+
+
 @pytest.mark.slow
 def test_constructed_needle_through_vllm(monkeypatch, tmp_path):
     """Every codec's haystack loads from NVMe through its decoder; none and int4-lc answer exactly as
     the model without a tier; the naive reference is stored and loaded through the same path."""
-    pytest.importorskip("vllm")
+    need("vllm")
     from kvtier.bench.vllm.needle import run_model_needle
     from kvtier.models.constructed import ensure_constructed_model
 
