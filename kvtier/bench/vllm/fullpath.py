@@ -17,7 +17,6 @@ import argparse
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,7 +45,11 @@ def _blocks_in(shard: Path) -> int:
 
 
 def _forget_hbm(server: Served) -> None:
-    urllib.request.urlopen(urllib.request.Request(server.url + "/reset_prefix_cache", method="POST"), timeout=60)
+    """Empty the server's prefix cache, for real: vLLM refuses a reset while blocks are held, and the
+    next turn would then be a prefix-cache hit, not the load the report says (``kvtier.bench.checks``)."""
+    from kvtier.bench.checks import reset_served_prefix_cache
+
+    reset_served_prefix_cache(server.url, server.served_name)
 
 
 def _until(check: Callable[[], Any], timeout: float = 60.0) -> Any:

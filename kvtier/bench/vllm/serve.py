@@ -109,8 +109,8 @@ def _drop_page_cache(directory: Path) -> None:
 def tp2_figures(quick: bool = False, progress: Callable[[str], None] = print) -> dict:
     """Plain vLLM at TP=2 vs kvtier serve at TP=2 (loads from NVMe, both ranks), tiny model."""
     import statistics
-    import urllib.request
 
+    from kvtier.bench.checks import reset_served_prefix_cache
     from kvtier.bench.vllm.served import Served
     from kvtier.models.demo import ensure_demo_model
 
@@ -144,8 +144,7 @@ def tp2_figures(quick: bool = False, progress: Callable[[str], None] = print) ->
                         break
                     time.sleep(0.1)
                 admin.wait(admin.post(admin.session_path(f"s{i}", "evict"), {"to": "nvme"}))
-            urllib.request.urlopen(urllib.request.Request(served.url + "/reset_prefix_cache", method="POST"),
-                                   timeout=60)
+            reset_served_prefix_cache(served.url, served.served_name)  # refused while blocks are held: retried
             _drop_page_cache(base)
             before = admin.get("/v1/status")["counters"].get("hit_nvme_blocks", 0)
             loaded = [served.streamed(f"s{i}", p) for i, p in enumerate(prompts)]

@@ -1,8 +1,12 @@
 """A disk that turns slow while serving (``kvtier bench faults --slow-disk``).
 
 A real ``kvtier serve`` on the tiny demo model; three sessions of ``tokens`` tokens are computed, then
-turns go round them, each session evicted to NVMe and vLLM's prefix cache reset before its turn, so
-the turn's prefix is on the disk: loaded from NVMe or recomputed, as the cost model decides. Right
+turns go round them, each session evicted to NVMe and vLLM's prefix cache reset before its turn
+(``kvtier.bench.checks.reset_served_prefix_cache``: a reset vLLM refuses is retried, never taken for
+done), so the turn's prefix is on the disk: loaded from NVMe or recomputed, as the cost model
+decides. A turn counts as recomputed only on kvtier's own record of it (``turn_outcome``: nothing
+loaded, nothing in vLLM's prefix cache, every prompt token computed); a turn that is neither loaded
+nor recomputed (a prefix-cache hit: fast, and no evidence of anything) refuses the figures. Right
 after each turn a fresh prompt of the same length (no stored prefix) is timed: the turn's recompute
 reference, in the same server and minute. Phases: healthy; the disk slowed 10x; slowed ``factor``x
 (chosen so that loading from NVMe loses to recomputing); healthy again.
@@ -32,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["run_slow_disk_bench", "SLOW_DISK_KEYS"]
+__all__ = ["run_slow_disk_bench", "SLOW_DISK_KEYS", "turn_outcome"]
 
 SLOW_DISK_KEYS = ("slow_disk_ttft_vs_recompute_max", "slow_disk_failed_requests", "slow_disk_noticed_after_loads",
                   "slow_disk_resume_s")
@@ -96,20 +100,41 @@ def _server_pids(pid: int) -> list[int]:
     return [proc.pid] + [child.pid for child in proc.children(recursive=True)]
 
 
-def _turn(server, admin, name: str, prompt: list[int], ref_seed: int, failures: list[str]) -> dict:
-    import urllib.request
+def turn_outcome(row: dict) -> str:
+    """What a timed turn was, from what was recorded of it: ``loaded`` (kvtier loaded some of its
+    prefix), ``recomputed`` (kvtier's record of the turn, ``vllm_cached_tokens`` / ``recomputed_tokens``
+    of ``GET /v1/sessions/<id>``'s last turn, shows this prompt computed in full: nothing in vLLM's
+    prefix cache), or ``unexplained`` (nothing loaded, but no such record: a prefix-cache hit, which
+    a refused reset leaves, or a turn not recorded)."""
+    if row.get("loaded", 0) > 0:
+        return "loaded"
+    record = row.get("record") or {}
+    prompt = row.get("prompt_tokens")
+    if (prompt and record.get("prompt_tokens") == prompt and record.get("vllm_cached_tokens") == 0
+            and record.get("loaded_tokens") == 0 and record.get("recomputed_tokens") == prompt):
+        return "recomputed"
+    return "unexplained"
 
+
+def _turn(server, admin, name: str, prompt: list[int], ref_seed: int, failures: list[str]) -> dict:
+    from kvtier.bench.checks import FigureRefused, reset_served_prefix_cache
     from kvtier.control.client import AdminClient
 
     row: dict = {"session": name, "prompt_tokens": len(prompt)}
     try:
         admin.wait(admin.post(AdminClient.session_path(name, "evict"), {"to": "nvme"}), timeout=600)
-        urllib.request.urlopen(urllib.request.Request(server.url + "/reset_prefix_cache", method="POST"), timeout=60)
+        reset_served_prefix_cache(server.url, server.served_name)
         row["started"] = time.monotonic()
         got = server.turn(name, prompt, max_tokens=1)
         row.update(ttft_s=got["seconds"], loaded=got["loaded"])
+        turns = admin.get(AdminClient.session_path(name)).get("turns") or [{}]
+        row["record"] = {k: turns[-1].get(k) for k in ("prompt_tokens", "vllm_cached_tokens", "loaded_tokens",
+                                                        "recomputed_tokens", "reason")}
+        row["outcome"] = turn_outcome(row)
         ref = server.turn(f"ref-{ref_seed}", _prompt(ref_seed, len(prompt)), max_tokens=1)
         row.update(recompute_s=ref["seconds"], ratio=got["seconds"] / ref["seconds"])
+    except FigureRefused:  # a reset vLLM never accepted: not a failed request, no figure at all
+        raise
     except Exception as exc:  # noqa: BLE001 - every failure is counted
         failures.append(f"{name}: {type(exc).__name__}: {exc}")
     status = admin.get("/v1/status")
@@ -148,11 +173,21 @@ def _phases(server, control: Path, sessions: dict, slow: Callable[[float], None]
 
 
 def _figures(rows: list[dict], marks: dict, factor: float) -> dict:
+    """The keys from the turns' rows; refused (``FigureRefused``) when a timed turn was neither loaded
+    nor recomputed (``turn_outcome``): its TTFT would time a prefix-cache hit."""
+    from kvtier.bench.checks import require
+
+    unexplained = [f"turn {r.get('turn')} ({r.get('phase')}): {r.get('record')}" for r in rows
+                   if "ratio" in r and turn_outcome(r) == "unexplained"]  # every complete turn
+    require(not unexplained, f"{len(unexplained)} turn(s) neither loaded from kvtier nor recomputed in full: "
+            + "; ".join(unexplained[:3]),
+            hint="vLLM's prefix cache served them (a reset that did not take?): the slow-disk figures would "
+                 "time prefix-cache hits")
     slow = [r for r in rows if r["phase"] == f"{factor:g}x" and "ratio" in r]
     loads_before = 0
     noticed_at = None
     for i, row in enumerate(slow):
-        if row["loaded"] == 0:
+        if turn_outcome(row) == "recomputed":
             noticed_at = i
             break
         loads_before += 1
