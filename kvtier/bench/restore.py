@@ -2,11 +2,21 @@
 
 A 70B-shaped session (80 layers, 8 KV heads, head dim 128, bf16, 16-token blocks: 5 MiB a block,
 ``GEOMETRY_70B.block_bytes``) of ``--gib`` GiB sits in page-aligned DRAM, is written to the cold
-tier (``write_batch`` group commits of 256 MiB, as demotions do), the DRAM is zeroed, and the
-session is read back into it the way the mover loads it: ``read_batch`` calls of 256 MiB of blocks,
-two in flight (the mover's two job threads), each drive reading its share on its own IO threads,
-every record verified (header and xxh3 of the payload) on the IO thread that read it while the other
-reads are in flight. Every restored block is then compared with what was written, byte for byte.
+tier (``write_batch`` group commits of 256 MiB, as demotions do), and is read back into the same DRAM
+the way the mover loads it: ``read_batch`` calls of 256 MiB of blocks, two in flight (the mover's two
+job threads), each drive reading its share on its own IO threads, every record verified (header and
+xxh3 of the payload) on the IO thread that read it while the other reads are in flight.
+
+Every restore the bench times is verified (``VerifiedRestores``): every round of the main restore,
+of the one- and the two-directory restores and of the restore from RAM. Before each, its destination
+slots are clobbered (``clobber``: bytes no block holds, so a block the restore does not bring back
+cannot pass); after each, every block it restored is compared with what was written, byte for byte
+(``compare_blocks``). Both happen outside the restore's timer and its CPU and RSS measurement; the
+records' own verification is part of the restore and is measured. ``_blocks_checked`` and
+``_blocks_mismatched`` count the blocks compared and those that differed over all of them. A block
+that differs, or a restore not every block of which was compared, refuses the figures
+(``kvtier.bench.checks.FigureRefused``): the run fails and records nothing. The raw reads are the
+reference and are not compared; neither is the memcpy.
 
 Figures (``RESTORE_KEYS``), each from rounds that alternate which side runs first (median):
 
@@ -47,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from kvtier.bench.checks import require
 from kvtier.errors import StorageError, UsageError
 from kvtier.layout import KVGeometry, ModelFingerprint
 from kvtier.tiers.nvme.parts import IO_BYTES, MAX_RECORDS_PER_IO
@@ -58,7 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.tiers.dram import DramArena
 
 __all__ = ["RESTORE_KEYS", "GEOMETRY_70B", "Session", "make_session", "write_session", "restore_session",
-           "mismatched_blocks", "run_restore_bench"]
+           "mismatched_blocks", "compare_blocks", "clobber", "VerifiedRestores", "run_restore_bench"]
 
 RESTORE_KEYS = (
     "restore_vs_raw",
@@ -142,11 +153,12 @@ def make_session(geometry: KVGeometry, total_bytes: int, seed: int = 20261203) -
     return session
 
 
-def mismatched_blocks(session: Session, blocks: Sequence[int] | None = None) -> list[int]:
-    """The blocks whose DRAM bytes differ from what ``Session.fill`` wrote there."""
+def compare_blocks(session: Session, blocks: Sequence[int] | None = None) -> tuple[int, list[int]]:
+    """Compare the blocks' DRAM bytes with what ``Session.fill`` wrote there, byte for byte: how many
+    blocks were compared, and those that differ."""
     import torch
 
-    bad = []
+    compared, bad = 0, []
     for i in range(len(session.keys)) if blocks is None else blocks:
         dst = session.dst(i)
         n = dst.numel()
@@ -155,7 +167,82 @@ def mismatched_blocks(session: Session, blocks: Sequence[int] | None = None) -> 
         if not (torch.equal(dst[:head], _stamp(i)[:head])
                 and torch.equal(dst[head:], session.pattern[offset + head : offset + n])):
             bad.append(i)
-    return bad
+        compared += 1
+    return compared, bad
+
+
+def mismatched_blocks(session: Session, blocks: Sequence[int] | None = None) -> list[int]:
+    """The blocks whose DRAM bytes differ from what ``Session.fill`` wrote there."""
+    return compare_blocks(session, blocks)[1]
+
+
+def clobber(session: Session, blocks: Sequence[int] | None = None) -> None:
+    """Overwrite the blocks' DRAM slots with bytes no block holds: 0xA5 throughout, then the first
+    (up to 8) bytes the complement of the block's stamp, each of which differs from the block's own
+    byte there: a restore that leaves a slot alone leaves a block that fails ``compare_blocks``."""
+    import torch
+
+    for i in range(len(session.keys)) if blocks is None else blocks:
+        dst = session.dst(i)
+        dst.fill_(0xA5)
+        head = min(8, dst.numel())
+        dst[:head].copy_(torch.bitwise_not(_stamp(i)[:head]))
+
+
+class VerifiedRestores:
+    """Every restore the bench times, checked: before it, its destinations are clobbered (``clobber``);
+    after it, every block it restored is compared with what was written (``compare_blocks``). Neither
+    is inside the restore's timer or its CPU and RSS measurement (``Measured``). The counts add up over
+    every restore; a block that differs refuses the figures (``FigureRefused``) there and then."""
+
+    def __init__(self, session: Session, rounds: int, batch_bytes: int, in_flight: int,
+                 progress: Callable[[str], None]):
+        self.session = session
+        self.rounds = rounds
+        self.batch_bytes = batch_bytes
+        self.in_flight = in_flight
+        self.progress = progress
+        self.restores = 0  # restores verified
+        self.restored = 0  # blocks those restores were asked for
+        self.checked = 0  # blocks compared after them
+        self.mismatched = 0
+        self._rounds: dict[str, int] = {}
+
+    def restore(self, store, blocks: range, source: str, evict: bool = False,
+                measured: list["Measured"] | None = None) -> float:
+        """Restore ``blocks`` from ``store`` (``restore_session``) and verify them; the seconds the
+        restore took. ``evict``: drop buffered files from the page cache first; ``measured``: append
+        the restore's ``Measured`` (CPU, RSS) there."""
+        n = self._rounds[source] = self._rounds.get(source, 0) + 1
+        what = f"the restore from {source}, round {n} of {self.rounds}"
+        self.progress(f"restoring from {source}, round {n} of {self.rounds}")
+        clobber(self.session, blocks)
+        if evict:
+            evict_buffered(store)
+        if measured is None:
+            seconds = restore_session(store, self.session, blocks, self.batch_bytes, self.in_flight)
+        else:
+            with Measured() as m:
+                seconds = restore_session(store, self.session, blocks, self.batch_bytes, self.in_flight)
+            measured.append(m)
+        checked, bad = compare_blocks(self.session, blocks)
+        self.restores += 1
+        self.restored += len(blocks)
+        self.checked += checked
+        self.mismatched += len(bad)
+        require(not bad, f"bench restore: {len(bad)} of the {len(blocks)} blocks {what} brought back differ from "
+                         f"what was written (first: block {bad[0] if bad else None})",
+                hint="the restore delivered bytes the session was not written with: no figure is recorded")
+        return seconds
+
+    def require_all(self, restores: int, blocks: int) -> None:
+        """Refuse the figures unless ``restores`` restores of ``blocks`` blocks in all were verified,
+        every block compared and none different."""
+        require(self.restores == restores and self.restored == blocks and self.checked == blocks
+                and self.mismatched == 0,
+                f"bench restore: {self.restores} restores verified ({restores} timed), {self.checked} blocks "
+                f"compared of {self.restored} restored ({blocks} expected), {self.mismatched} different",
+                hint="a restore whose blocks were not all compared gives no figure")
 
 
 # ---- the tier ---------------------------------------------------------------------------------------
@@ -444,7 +531,9 @@ def run_restore_bench(gib: float = 8.0, quick: bool = False, dirs: Sequence[str 
                       ram_dir: str | os.PathLike = "/dev/shm", rounds: int = 5, batch_bytes: int = BATCH_BYTES,
                       io_threads: int = IO_THREADS, in_flight: int = BATCHES_IN_FLIGHT) -> dict:
     """The whole benchmark; see the module docstring. ``dirs``: the drives (default: the current
-    directory); each gets a temporary directory of its own, removed at the end."""
+    directory); each gets a temporary directory of its own, removed at the end. ``progress`` is told
+    each step, every restore included, before it starts. A restored block that differs from what was
+    written raises ``FigureRefused`` (nothing is returned)."""
     wall = time.perf_counter()
     total = int(total_bytes if total_bytes is not None else gib * GiB)
     block = geometry.block_bytes
@@ -467,28 +556,86 @@ def run_restore_bench(gib: float = 8.0, quick: bool = False, dirs: Sequence[str 
     ram_ok = ram.is_dir() and os.access(ram, os.W_OK) and _free(ram) >= tmpfs_blocks * file_bytes_for(block) + 64 * MiB
     check_room(given, record_bytes, blocks * block, tmpfs_blocks * file_bytes_for(block) if ram_ok else 0)
 
-    capacity = 2 * record_bytes + 256 * MiB
+    run = _Run(given, 2 * record_bytes + 256 * MiB, rounds, batch_bytes, io_threads, in_flight, progress)
     results: dict = {}
-    tmps = [Path(tempfile.mkdtemp(prefix="kvtier-bench-restore-", dir=d)) for d in given]
-    stores: list = []
     try:
         progress(f"session: {blocks} blocks of {block / MiB:.2f} MiB ({_gib(blocks * block)}) in DRAM")
-        session = make_session(geometry, total)
-        main_dirs = [t / "main" for t in tmps]
-        main = open_tier(main_dirs, capacity, io_threads)
-        stores.append(main)
-        progress(f"writing it to the NVMe tier in {', '.join(map(str, main_dirs))}")
+        run.session = make_session(geometry, total)
+        run.verified = VerifiedRestores(run.session, rounds, batch_bytes, in_flight, progress)
+        results.update(run.restore_vs_raw(blocks, geometry))
+        results.update(run.two_dirs_vs_one(blocks))
+        results.update(run.tmpfs_vs_memcpy(ram, tmpfs_blocks) if ram_ok else
+                       {"tmpfs_vs_memcpy": None, "_tmpfs_note": f"{ram} is missing, not writable or too small: "
+                                                                 "not measured"})
+        verified = run.verified
+        arms = 3 + int(ram_ok)  # main, one directory, two directories; RAM
+        verified.require_all(restores=rounds * arms, blocks=rounds * (3 * blocks + int(ram_ok) * tmpfs_blocks))
+        results.update({"_blocks_checked": verified.checked, "_blocks_mismatched": verified.mismatched})
+
+        progress("xxh3 alone over DRAM")
+        results["xxh3_core_s_per_gib"] = xxh3_core_s_per_gib(run.session)
+        results.update(moonshot(results["_restore_gb_s"] / results["_disks"], results["core_s_per_gib"]))
+    finally:
+        run.close()
+    results["_quick"] = quick
+    results["_wall_s"] = time.perf_counter() - wall
+    return results
+
+
+class _Run:
+    """One run's drives, temporary directories and open tiers (all closed and removed by ``close``),
+    and its arms, each timing verified restores (``VerifiedRestores``)."""
+
+    session: Session
+    verified: VerifiedRestores
+
+    def __init__(self, given: list[Path], capacity: int, rounds: int, batch_bytes: int, io_threads: int,
+                 in_flight: int, progress: Callable[[str], None]):
+        self.given = given
+        self.capacity = capacity
+        self.rounds = rounds
+        self.batch_bytes = batch_bytes
+        self.io_threads = io_threads
+        self.in_flight = in_flight
+        self.progress = progress
+        self.stores: list = []
+        self.tmps: list[Path] = []
+        self.tmps += [Path(tempfile.mkdtemp(prefix="kvtier-bench-restore-", dir=d)) for d in given]
+        self.main = None
+
+    def open(self, dirs: Sequence[Path], direct: str = "auto"):
+        store = open_tier(dirs, self.capacity, self.io_threads, direct=direct)
+        self.stores.append(store)
+        return store
+
+    def shut(self, store) -> None:
+        store.close()
+        self.stores.remove(store)
+
+    def close(self) -> None:
+        for store in self.stores:
+            store.close()
+        for t in self.tmps:
+            shutil.rmtree(t, ignore_errors=True)
+
+    def restore_vs_raw(self, blocks: int, geometry: KVGeometry) -> dict:
+        """The main tier over every drive, written; its restore against raw reads of its files."""
+        session, block, rounds = self.session, geometry.block_bytes, self.rounds
+        main_dirs = [t / "main" for t in self.tmps]
+        main = self.main = self.open(main_dirs)
+        self.progress(f"writing it to the NVMe tier in {', '.join(map(str, main_dirs))}")
         started = time.perf_counter()
-        write_session(main, session, batch_bytes=batch_bytes)
+        write_session(main, session, batch_bytes=self.batch_bytes)
         write_s = time.perf_counter() - started
         # three raw references, the fastest of them counts in each round: 8 MiB pieces (the tier's
         # largest IO) and pieces of the tier's own IO for these records (as many whole records as fit
         # in 8 MiB), both into small buffers, and each record into its block's DRAM slot
         record = file_bytes_for(block)
         own_io = record * max(1, min(IO_BYTES // record, MAX_RECORDS_PER_IO))
-        raws = {"8mib_io": RawFiles(main, session, range(blocks), io_threads, IO_BYTES),
-                "record_io": RawFiles(main, session, range(blocks), io_threads, own_io),
-                "into_dram": RawFiles(main, session, range(blocks), io_threads, into_dram=True)}
+        threads = self.io_threads
+        raws = {"8mib_io": RawFiles(main, session, range(blocks), threads, IO_BYTES),
+                "record_io": RawFiles(main, session, range(blocks), threads, own_io),
+                "into_dram": RawFiles(main, session, range(blocks), threads, into_dram=True)}
         raw_gb_s: dict[str, list[float]] = {name: [] for name in raws}
 
         def raw_read() -> float:
@@ -497,49 +644,34 @@ def run_restore_bench(gib: float = 8.0, quick: bool = False, dirs: Sequence[str 
                 raw_gb_s[name].append(raws[name].nbytes / GB / raws[name].read())
             return max(speeds[-1] for speeds in raw_gb_s.values())
 
-        session.arena.buffer.zero_()  # the restore has to bring every byte back
-        progress(f"restore vs raw direct reads of the same files: {rounds} rounds")
+        self.progress(f"restore vs raw direct reads of the same files: {rounds} rounds")
         measured: list[Measured] = []
-
-        def restore_main() -> float:
-            evict_buffered(main)  # before measuring
-            with Measured() as m:
-                seconds = restore_session(main, session, batch_bytes=batch_bytes, in_flight=in_flight)
-            measured.append(m)
-            if len(measured) == 1:  # the first restore, before any raw read into the same DRAM
-                bad = mismatched_blocks(session)
-                if bad:
-                    raise StorageError(f"bench restore: {len(bad)} restored blocks differ from what was written "
-                                       f"(first: block {bad[0]})")
-            return seconds
-
-        try:
-            pairs = _alternating(rounds, restore_main, raw_read)
+        try:  # each restore into clobbered DRAM (the raw reads write the right bytes there), then compared
+            pairs = _alternating(rounds, lambda: self.verified.restore(main, range(blocks), "the NVMe tier",
+                                                                       evict=True, measured=measured), raw_read)
         finally:
             for raw in raws.values():
                 raw.close()
         restore_gb_s = [blocks * block / GB / r for r, _ in pairs]
         best_raw = [w for _, w in pairs]
-        core_s = statistics.median(m.cpu_s / (blocks * block / GiB) for m in measured)
-        devices = len({_device(d) for d in given})
-        results.update({
+        return {
             "restore_vs_raw": statistics.median(g / w for g, w in zip(restore_gb_s, best_raw)),
             "_restore_vs_raw_rounds": ", ".join(f"{g / w:.2f}" for g, w in zip(restore_gb_s, best_raw)),
             "_restore_vs_raw_into_dram": statistics.median(g / w for g, w in zip(restore_gb_s,
                                                                                  raw_gb_s["into_dram"])),
-            "core_s_per_gib": core_s,
+            "core_s_per_gib": statistics.median(m.cpu_s / (blocks * block / GiB) for m in measured),
             "extra_rss_mib": max(m.extra_bytes for m in measured) / MiB,
             "_session_gib": blocks * block / GiB,
             "_blocks": blocks,
             "_block_mib": block / MiB,
             "_geometry": (f"{geometry.num_layers} layers x {geometry.num_kv_heads} kv heads x {geometry.head_dim} "
                           f"x {geometry.dtype}, {geometry.block_tokens}-token blocks"),
-            "_drives": len(given),
-            "_disks": devices,
+            "_drives": len(self.given),
+            "_disks": len({_device(d) for d in self.given}),
             "_direct_io": bool(main.direct),
-            "_batch_mib": batch_bytes / MiB,
-            "_batches_in_flight": in_flight,
-            "_io_threads_per_drive": io_threads,
+            "_batch_mib": self.batch_bytes / MiB,
+            "_batches_in_flight": self.in_flight,
+            "_io_threads_per_drive": threads,
             "_rounds": rounds,
             "_write_gb_s": blocks * block / GB / write_s,
             "_restore_gb_s": statistics.median(restore_gb_s),
@@ -550,83 +682,65 @@ def run_restore_bench(gib: float = 8.0, quick: bool = False, dirs: Sequence[str 
             "_raw_into_dram_gb_s": statistics.median(raw_gb_s["into_dram"]),
             "_restore_cores_busy": statistics.median(m.cpu_s / r for m, (r, _) in zip(measured, pairs)),
             "_rss_before_mib": measured[0].base / MiB,
-            "_blocks_checked": blocks,
-            "_blocks_mismatched": 0,
-        })
+            "_blocks_checked": self.verified.checked,  # so far; the run's total once every arm is done
+            "_blocks_mismatched": self.verified.mismatched,
+        }
 
-        # ---- two directories of the first drive vs one ----
-        if len(given) == 1:
-            one = main
+    def two_dirs_vs_one(self, blocks: int) -> dict:
+        """Two directories of the first drive vs one (the main tier, when it has one drive)."""
+        session, first, block = self.session, self.given[0], self.session.block_bytes
+        if len(self.given) == 1:
+            one = self.main
         else:
-            main.close()
-            stores.remove(main)
-            for d in main_dirs:
-                shutil.rmtree(d, ignore_errors=True)
-            one = open_tier([tmps[0] / "one"], capacity, io_threads)
-            stores.append(one)
-            progress(f"writing the session to one directory of {given[0]}")
-            write_session(one, session, batch_bytes=batch_bytes)
-        two_dirs = [tmps[0] / "two-a", tmps[0] / "two-b"]
-        two = open_tier(two_dirs, capacity, io_threads)
-        stores.append(two)
-        progress(f"writing the session to two directories of {given[0]}")
-        write_session(two, session, batch_bytes=batch_bytes)
-        progress(f"restore from two directories vs one: {rounds} rounds")
-        pairs = _alternating(rounds, lambda: restore_session(one, session, None, batch_bytes, in_flight, evict=True),
-                             lambda: restore_session(two, session, None, batch_bytes, in_flight, evict=True))
-        results.update({
+            self.shut(self.main)
+            for t in self.tmps:
+                shutil.rmtree(t / "main", ignore_errors=True)
+            one = self.open([self.tmps[0] / "one"])
+            self.progress(f"writing the session to one directory of {first}")
+            write_session(one, session, batch_bytes=self.batch_bytes)
+        two = self.open([self.tmps[0] / "two-a", self.tmps[0] / "two-b"])
+        self.progress(f"writing the session to two directories of {first}")
+        write_session(two, session, batch_bytes=self.batch_bytes)
+        self.progress(f"restore from two directories vs one: {self.rounds} rounds")
+        every = range(blocks)
+        pairs = _alternating(self.rounds, lambda: self.verified.restore(one, every, "one directory", evict=True),
+                             lambda: self.verified.restore(two, every, "two directories", evict=True))
+        for store in (one, two):
+            self.shut(store)
+        for t in self.tmps:
+            for child in t.iterdir():
+                shutil.rmtree(child, ignore_errors=True)
+        return {
             "two_dirs_vs_one": statistics.median(a / b for a, b in pairs),
             "_two_dirs_vs_one_rounds": ", ".join(f"{a / b:.2f}" for a, b in pairs),
             "_one_dir_gb_s": statistics.median(blocks * block / GB / a for a, _ in pairs),
             "_two_dirs_gb_s": statistics.median(blocks * block / GB / b for _, b in pairs),
-        })
-        for store in (one, two):
-            store.close()
-            stores.remove(store)
-        for t in tmps:
-            for child in t.iterdir():
-                shutil.rmtree(child, ignore_errors=True)
+        }
 
-        # ---- the pipeline's ceiling: from RAM ----
-        results["tmpfs_vs_memcpy"] = None
-        if ram_ok:
-            ram_tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-restore-", dir=ram))
-            tmps.append(ram_tmp)
-            in_ram = range(tmpfs_blocks)
-            shm = open_tier([ram_tmp], capacity, io_threads, direct="auto")
-            stores.append(shm)
-            progress(f"{_gib(tmpfs_blocks * block)} of it from {ram} (RAM) vs memcpy: {rounds} rounds")
-            write_session(shm, session, in_ram, batch_bytes=batch_bytes)
-            copies: list[tuple[float, int]] = []
+    def tmpfs_vs_memcpy(self, ram: Path, tmpfs_blocks: int) -> dict:
+        """The pipeline's ceiling: the first ``tmpfs_blocks`` restored from RAM vs a torch copy."""
+        session, block = self.session, self.session.block_bytes
+        ram_tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-restore-", dir=ram))
+        self.tmps.append(ram_tmp)
+        in_ram = range(tmpfs_blocks)
+        shm = self.open([ram_tmp], direct="auto")
+        self.progress(f"{_gib(tmpfs_blocks * block)} of it from {ram} (RAM) vs memcpy: {self.rounds} rounds")
+        write_session(shm, session, in_ram, batch_bytes=self.batch_bytes)
+        copies: list[tuple[float, int]] = []
 
-            def copy() -> float:
-                copies.append(memcpy_s(session, in_ram))
-                return copies[-1][0]
+        def copy() -> float:
+            copies.append(memcpy_s(session, in_ram))
+            return copies[-1][0]
 
-            pairs = _alternating(rounds, lambda: restore_session(shm, session, in_ram, batch_bytes, in_flight), copy)
-            ram_gb_s = [tmpfs_blocks * block / GB / r for r, _ in pairs]
-            copy_gb_s = [n / GB / s for s, n in copies]
-            results.update({
-                "tmpfs_vs_memcpy": statistics.median(g / c for g, c in zip(ram_gb_s, copy_gb_s)),
-                "_tmpfs_vs_memcpy_rounds": ", ".join(f"{g / c:.2f}" for g, c in zip(ram_gb_s, copy_gb_s)),
-                "_tmpfs_gib": tmpfs_blocks * block / GiB,
-                "_tmpfs_direct_io": bool(shm.direct),
-                "_tmpfs_restore_gb_s": statistics.median(ram_gb_s),
-                "_memcpy_gb_s": statistics.median(copy_gb_s),
-            })
-            shm.close()
-            stores.remove(shm)
-        else:
-            results["_tmpfs_note"] = f"{ram} is missing, not writable or too small: not measured"
-
-        progress("xxh3 alone over DRAM")
-        results["xxh3_core_s_per_gib"] = xxh3_core_s_per_gib(session)
-        results.update(moonshot(results["_restore_gb_s"] / devices, core_s))
-    finally:
-        for store in stores:
-            store.close()
-        for t in tmps:
-            shutil.rmtree(t, ignore_errors=True)
-    results["_quick"] = quick
-    results["_wall_s"] = time.perf_counter() - wall
-    return results
+        pairs = _alternating(self.rounds, lambda: self.verified.restore(shm, in_ram, f"RAM ({ram})"), copy)
+        self.shut(shm)
+        ram_gb_s = [tmpfs_blocks * block / GB / r for r, _ in pairs]
+        copy_gb_s = [n / GB / s for s, n in copies]
+        return {
+            "tmpfs_vs_memcpy": statistics.median(g / c for g, c in zip(ram_gb_s, copy_gb_s)),
+            "_tmpfs_vs_memcpy_rounds": ", ".join(f"{g / c:.2f}" for g, c in zip(ram_gb_s, copy_gb_s)),
+            "_tmpfs_gib": tmpfs_blocks * block / GiB,
+            "_tmpfs_direct_io": bool(shm.direct),
+            "_tmpfs_restore_gb_s": statistics.median(ram_gb_s),
+            "_memcpy_gb_s": statistics.median(copy_gb_s),
+        }
