@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+pytest_plugins = ("support.realpath",)  # what a CI run requires: vLLM imported, no unexpected skip
+
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # numba's llvmlite, once imported, trips vLLM 0.32's kernel-override scan at engine creation
 # ("'_lib_fn_wrapper' object has no attribute 'get'"). Engines are created in this process, so the

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support.realpath import need
 from typer.testing import CliRunner
 
 from kvtier.cli.main import app
@@ -152,7 +153,7 @@ def budgets_line(log: Path) -> str:
 
 
 def test_two_servers_with_default_budgets_both_start_and_fit_the_box(box, tiny_model, tmp_path):
-    pytest.importorskip("vllm")
+    need("vllm")
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(tmp_path), VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PYTHONUNBUFFERED="1",
                KVTIER_SNAPSHOT_DIR=str(tmp_path / "snapshots"))

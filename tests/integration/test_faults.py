@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 from support.engine import break_disk, heal_disk
+from support.realpath import need
 
 from kvtier.bench import faults
 
@@ -198,7 +199,7 @@ def test_serving_under_load_chaos_and_disk_faults_matches_plain_vllm(tiny_model)
 
     if not (_shutil.which("unshare") and _shutil.which("nsenter")):
         pytest.skip("needs unshare and nsenter (util-linux)")
-    pytest.importorskip("vllm")
+    need("vllm")
     from kvtier.bench.vllm.faults import run_serving_faults
 
     out = run_serving_faults(quick=True, progress=lambda _m: None, model=str(tiny_model))

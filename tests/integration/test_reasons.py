@@ -18,6 +18,7 @@ import time
 
 import pytest
 from support.engine import make_engine
+from support.realpath import need
 from typer.testing import CliRunner
 
 from kvtier.plan.index import Tier, chain_block_hashes, namespace_of
@@ -320,7 +321,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_model, tmp_path_factory):
-    pytest.importorskip("vllm")
+    need("vllm")
     engine = Served(str(tiny_model), tmp_path_factory.mktemp("reasons"))
     yield engine
     engine.close()

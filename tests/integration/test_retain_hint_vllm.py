@@ -3,9 +3,9 @@ OpenAI chat request's ``kv_transfer_params`` becomes ``Request.kv_transfer_param
 connector reads. Real vLLM classes, no engine."""
 from __future__ import annotations
 
-import pytest
+from support.realpath import need
 
-vllm = pytest.importorskip("vllm")
+vllm = need("vllm")
 
 
 def test_the_documented_body_reaches_the_connector():

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support.realpath import need
 from typer.testing import CliRunner
 
 from kvtier.bench.vllm.faults import free_port
@@ -486,7 +487,7 @@ def test_the_admin_token_file_must_be_private(env, model_dir, tmp_path):
 
 
 def test_the_engine_takes_the_admin_token_from_its_environment():
-    pytest.importorskip("vllm")
+    need("vllm")
     from kvtier.connector_config import ConnectorConfig
     from kvtier.plugins.vllm.scheduler import admin_token_of
 

@@ -9,10 +9,11 @@ compared with plain vLLM at TP=2 on the same prompt.
 from __future__ import annotations
 
 import pytest
+from support.realpath import need
 
 pytestmark = pytest.mark.slow
 
-pytest.importorskip("vllm")
+need("vllm")
 
 
 def test_tp2_serve_stores_demotes_loads_snapshots_restarts_and_restores(tiny_model, tmp_path):

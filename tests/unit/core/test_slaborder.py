@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.realpath import need
 
 from kvtier.layout import KVGeometry, ModelFingerprint, adapter_for
 from kvtier.move.slaborder import SlabOrder, probe_map
 
-ops = pytest.importorskip("vllm._custom_ops")
+ops = need("vllm._custom_ops")
 # (isa, block tokens, head_dim): amx and vec need blocks of 32k tokens; vec16 is any 16k head_dim
 CASES = [("amx", 128, 128), ("amx", 32, 64), ("vec", 128, 128), ("vec", 32, 64), ("vec16", 16, 64),
          ("vec16", 16, 128)]

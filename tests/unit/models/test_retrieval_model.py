@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from support.realpath import need
 
 from kvtier.models.retrieval import BOS, KEY, N_KEYS, RECORD, Haystack, accuracy, make_haystack, save, train
 
@@ -72,7 +73,7 @@ def test_a_random_haystack_is_not_answered_by_an_untrained_model():
 def test_model_needle_through_vllm_per_codec(short_model, monkeypatch, tmp_path):
     """The benchmark's pipeline on the short-trained model: every codec's haystack really loads from
     NVMe through the codec, and the lossless path answers exactly as the model does without kvtier."""
-    pytest.importorskip("vllm")
+    need("vllm")
     from kvtier.bench.vllm.needle import run_model_needle
 
     monkeypatch.chdir(tmp_path)

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from support.realpath import need
 
 from kvtier.engine import TierEngine
 from kvtier.errors import ConfigError, FingerprintMismatchError
@@ -237,7 +238,7 @@ def test_unsupported_setups_are_refused_with_one_clear_error(case, match):
 
 
 def test_hybrid_and_sliding_window_models_are_refused_by_name():
-    pytest.importorskip("vllm")
+    need("vllm")
     from types import SimpleNamespace
 
     import torch as _torch

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.realpath import need
 
 from kvtier.errors import ConfigError
 from kvtier.plugins.vllm import compat
@@ -94,7 +95,7 @@ def test_the_table_finds_an_unlisted_import(tmp_path):
 def test_every_top_level_internal_resolves_in_the_installed_vllm():
     import inspect
 
-    pytest.importorskip("vllm")
+    need("vllm")
     for internal in compat.INTERNALS:
         owner, _, member = internal.name.partition(".")
         if owner == "NONE_HASH":  # set by vLLM once an engine starts

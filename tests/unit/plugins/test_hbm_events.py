@@ -9,8 +9,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from support.realpath import need
 
-pytest.importorskip("vllm")
+need("vllm")
 
 from vllm.distributed.kv_events import (  # noqa: E402
     AllBlocksCleared,

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.realpath import need
 
 from kvtier.connector_config import ConnectorConfig
 from kvtier.errors import ConfigError
@@ -268,7 +269,7 @@ def test_kept_tensors_that_changed_shape_are_refused(tmp_path):
 
 
 def test_the_connector_says_it_follows_sleep_mode_and_carries_new_weights_to_the_scheduler_half():
-    pytest.importorskip("vllm")
+    need("vllm")
     from kvtier.plugins.vllm.connector import KVTierConnector, KVTierWorkerMetadata
 
     assert KVTierConnector.supports_sleep_mode(None) is True

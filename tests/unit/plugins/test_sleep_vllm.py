@@ -10,6 +10,7 @@ import os
 import tempfile
 
 import pytest
+from support.realpath import need
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +19,7 @@ for _key, _value in {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
                      "VLLM_CACHE_ROOT": os.path.join(_VLLM_TMP, "cache")}.items():
     os.environ.setdefault(_key, _value)
 
-vllm = pytest.importorskip("vllm")
+vllm = need("vllm")
 
 
 def make_llm(model, nvme_dir=None, connector=True):
