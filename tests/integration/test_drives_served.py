@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import urllib.request
 
-import pytest
+from support.realpath import need
 
-pytest.importorskip("vllm")
+need("vllm")
 
 
 def test_one_of_two_drives_lost_while_serving_fails_no_request(tiny_model, tmp_path):
+    from kvtier.bench.checks import reset_served_prefix_cache
     from kvtier.bench.vllm.served import Served
 
     a, b = tmp_path / "drive-a", tmp_path / "drive-b"
@@ -27,7 +27,7 @@ def test_one_of_two_drives_lost_while_serving_fails_no_request(tiny_model, tmp_p
         assert all(on_disk.values()), on_disk  # placed by key hash: both drives hold blocks
         for session in prompts:  # out of DRAM and out of vLLM's own cache: the next turns read the drives
             admin.post(f"/v1/sessions/{session}/evict", {"to": "nvme"})
-        urllib.request.urlopen(urllib.request.Request(served.url + "/reset_prefix_cache", method="POST"), timeout=60)
+        reset_served_prefix_cache(served.url, served.served_name)  # accepted, not just answered
         shutil.rmtree(b)  # drive 1 is gone
 
         again = {s: served.turn(s, p) for s, p in prompts.items()}  # urlopen raises on any failed request

@@ -5,14 +5,15 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 
 import pytest
+from support.realpath import need
 
+from kvtier.bench.checks import reset_served_prefix_cache
 from kvtier.bench.vllm.faults import free_port
 
 pytestmark = pytest.mark.slow
-openai = pytest.importorskip("openai")
+openai = need("openai")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -59,7 +60,7 @@ def test_chat_through_kvtier_serve_reloads_session_after_prefix_reset(tiny_model
         second = turn()
         _readme_request_and_hbm_as_vllm_holds_it(client, env)
         # vLLM forgets everything it cached; kvtier still holds the session
-        urllib.request.urlopen(urllib.request.Request(base + "/reset_prefix_cache", method="POST"), timeout=30)
+        reset_served_prefix_cache(base, "tiny")  # accepted, not just answered (blocks held refuse it)
         again = turn()
         assert again.choices[0].message.content == second.choices[0].message.content
         assert again.kv_transfer_params["kvtier"]["loaded_tokens"] >= 0.9 * again.usage.prompt_tokens - 128
