@@ -15,19 +15,22 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from kvtier.bench.agents.regimes import Sizes
-from kvtier.errors import UsageError
+from kvtier.errors import NotFoundError, UsageError
 
-__all__ = ["ARMS", "QUICK_ARMS", "ArmSkipped", "empty_caches", "parse_arms", "post", "server_counters", "settle",
-           "start_arm"]
+__all__ = ["ARMS", "QUICK_ARMS", "SERVED_NAME", "ArmSkipped", "empty_caches", "link_remeasurements", "parse_arms",
+           "reset_prefix_cache", "server_counters", "settle", "start_arm"]
 
 ARMS = ("vllm", "floor", "kvtier", "native", "lmcache")
 QUICK_ARMS = ("vllm", "floor", "kvtier")
 LOADING_ARMS = ("kvtier", "native", "lmcache")  # arms that should load KV from outside the engine
+SERVED_NAME = "agents"  # every arm's --served-model-name
 
 
 class ArmSkipped(Exception):
@@ -76,10 +79,10 @@ def _engine_args(sizes: Sizes, kv_bytes: int, passthrough: tuple[str, ...]) -> t
 def start_arm(name: str, model: str, base: Path, sizes: Sizes, passthrough: tuple[str, ...],
               dram: int | None = None, nvme: int | None = None, label: str | None = None) -> Arm:
     """Start one arm's server (raises ArmSkipped with the reason when it cannot start)."""
-    from kvtier.bench.vllm.served import Served
     from kvtier.launch.serve import is_cpu_only
+    from kvtier.bench.vllm.served import Served
 
-    common = dict(max_len=sizes.max_len, max_seqs=sizes.concurrency, served_name="agents")
+    common = dict(max_len=sizes.max_len, max_seqs=sizes.concurrency, served_name=SERVED_NAME)
     label = label or name
     try:
         if name in ("vllm", "floor"):
@@ -130,12 +133,13 @@ def _start_lmcache(model: str, base: Path, label: str, sizes: Sizes, passthrough
                                  vllm_args=_engine_args(sizes, sizes.engine_kv, (*args, *passthrough)), **common), True)
 
 
-def post(url: str, body: dict | None = None, timeout: float = 120) -> None:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json"} if data else {})
-    with urllib.request.urlopen(request, timeout=timeout):
-        pass
+def reset_prefix_cache(arm: Arm, clock: Callable[[], float] = time.monotonic) -> int:
+    """Empty the arm's engine prefix cache, for real (a reset vLLM refuses while blocks are held is
+    retried with an engine step between; one never accepted refuses the figure: ``FigureRefused``).
+    The tries it took."""
+    from kvtier.bench.checks import reset_served_prefix_cache
+
+    return reset_served_prefix_cache(arm.url, SERVED_NAME, clock=clock)
 
 
 def _admin(arm: Arm):
@@ -155,19 +159,35 @@ def _wait_clean(admin) -> int:
     return int((status.get("dirty") or {}).get("dirty_blocks") or 0)
 
 
-def empty_caches(arm: Arm) -> int:
+def _drop_sessions(admin) -> None:
+    """Drop every session kvtier holds. A session gone between the listing and its drop (404, and
+    gone when asked again) is skipped; any other refusal or fault is raised: tiers that were not
+    emptied would make the next regime's loads hits of the last one."""
+    for session in admin.request("GET", "/v1/sessions?limit=100000")["sessions"]:
+        path = admin.session_path(session["session_id"])
+        try:
+            admin.request("POST", path + "/evict", {"to": "drop"})
+        except NotFoundError:
+            try:
+                admin.request("GET", path)
+            except NotFoundError:
+                continue  # it went meanwhile: nothing left to drop
+            raise
+
+
+def empty_caches(arm: Arm, clock: Callable[[], float] = time.monotonic) -> int:
     """Forget everything between regimes: kvtier's tiers (every session dropped) and the engine's
-    prefix cache. Returns kvtier's DRAM-only blocks still waiting when it went on (0: none)."""
+    prefix cache (a reset vLLM accepted). Returns kvtier's DRAM-only blocks still waiting when it
+    went on (0: none)."""
     left = 0
     if arm.name == "kvtier":
         admin = _admin(arm)
-        for session in admin.request("GET", "/v1/sessions?limit=100000")["sessions"]:
-            try:
-                admin.request("POST", f"/v1/sessions/{session['session_id']}/evict", {"to": "drop"})
-            except Exception:  # noqa: BLE001 - a session with nothing stored left to drop
-                pass
-        left = _wait_clean(admin)
-    post(arm.url + "/reset_prefix_cache")
+        try:
+            _drop_sessions(admin)
+            left = _wait_clean(admin)
+        finally:
+            admin.close()
+    reset_prefix_cache(arm, clock)
     return left
 
 
@@ -176,6 +196,20 @@ def settle(arm: Arm) -> int:
     the pass left in DRAM only) before the next arm takes the box. Returns the DRAM-only blocks
     still waiting when it went on (0: all written)."""
     return _wait_clean(_admin(arm)) if arm.name == "kvtier" else 0
+
+
+def link_remeasurements(arm: Arm) -> int | None:
+    """How many times kvtier's connector re-measured its links so far (None for the other arms).
+    It does so in the background every ``rates_refresh_s`` (300 s) once its engine is quiet: while
+    the other arms are timed; ``kvtier serve`` has no setting that turns it off."""
+    if arm.name != "kvtier":
+        return None
+    admin = _admin(arm)
+    try:
+        counters = admin.request("GET", "/v1/status").get("counters") or {}
+    finally:
+        admin.close()
+    return int(counters.get("rate_refreshes") or 0)
 
 
 _SOURCES = {"local_compute": "recomputed_tokens", "local_cache_hit": "engine_hit_tokens",

@@ -58,19 +58,45 @@ class Sizes:
         return rows
 
 
-def kv_bytes_per_token(model_dir: str, cache_dtype: str | None = None) -> int:
-    """K and V bytes one token takes in every layer, from the checkpoint's config.json."""
-    path = Path(model_dir) / "config.json"
+def _positive_int(config: dict, name: str) -> int | None:
+    value = config.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _read_config(path: Path) -> dict:
+    hint = "pass --model a model directory (a Hugging Face checkpoint) with its config.json"
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}", hint="pass a model directory with a config.json") from None
-    config = config.get("text_config", config)
-    heads = config.get("num_attention_heads") or 1
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}", hint=hint) from None
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise UsageError(f"{path} is not valid JSON: {exc}", hint=hint) from None
+    if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} is not a JSON object", hint=hint)
+    return config
+
+
+def kv_bytes_per_token(model_dir: str, cache_dtype: str | None = None) -> int:
+    """K and V bytes one token takes in every layer, from the checkpoint's config.json. A file that
+    is missing, unreadable or lacks a field the size needs is refused (``UsageError``) by name."""
+    path = Path(model_dir) / "config.json"
+    config = _read_config(path)
+    layers, heads, hidden = (_positive_int(config, name) for name in ("num_hidden_layers", "num_attention_heads",
+                                                                     "hidden_size"))
+    kv_heads = _positive_int(config, "num_key_value_heads") or heads
+    head_dim = _positive_int(config, "head_dim") or (hidden // heads if hidden and heads else None)
+    missing = ["num_hidden_layers"] * (not layers) + ["num_attention_heads"] * (not kv_heads)
+    if not head_dim:  # without head_dim: hidden_size over the attention heads
+        missing += ["hidden_size"] * (not hidden) + ["num_attention_heads"] * (not heads) or ["head_dim"]
+    if missing:
+        raise UsageError(f"{path} lacks {', '.join(dict.fromkeys(missing))} (a positive integer each): the KV "
+                         f"bytes per token cannot be sized",
+                         hint="pass --model a model directory whose config.json describes it: num_hidden_layers, "
+                              "num_attention_heads (num_key_value_heads), hidden_size (or head_dim)")
     elem = 1 if cache_dtype and cache_dtype.startswith("fp8") else 2
-    return int(config["num_hidden_layers"] * kv_heads * head_dim * 2 * elem)
+    return int(layers * kv_heads * head_dim * 2 * elem)
 
 
 def regime_trace(mix: AgentMix, sizes: Sizes, regime: int, seed: int, sessions: int | None = None) -> list[TurnSpec]:

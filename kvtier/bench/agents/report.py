@@ -9,7 +9,7 @@ from typing import Iterable
 import numpy as np
 
 __all__ = ["AGENT_KEYS", "combine_seeds", "hinted_ratio", "plot_cdfs", "summarize", "summary_keys", "tables",
-           "ttft_curves"]
+           "ttft_curves", "withheld_keys"]
 
 AGENT_KEYS = ("r1_ttft_p50_vs_vllm", "r1_ttft_p99_vs_vllm", "r2_ttft_p50_vs_vllm", "r2_ttft_p99_vs_vllm",
               "r2_recomputed_vs_vllm", "r3_ttft_p50_vs_vllm", "r3_resumed_p50_vs_vllm", "r2_ttft_p50_vs_floor",
@@ -17,6 +17,8 @@ AGENT_KEYS = ("r1_ttft_p50_vs_vllm", "r1_ttft_p99_vs_vllm", "r2_ttft_p50_vs_vllm
               "first_turn_ttft_p50_vs_vllm_max", "errors", "outputs_equal", "hinted_resumed_p50_vs_unhinted")
 
 EXTRA_KEYS = ("r2_reprefill_vs_vllm", "r3_wait_p50_vs_vllm")  # context beside the targets
+# the summary keys that come from kvtier's arm (the others: a count over every arm, and the hints pass)
+KVTIER_KEYS = tuple(k for k in AGENT_KEYS + EXTRA_KEYS if k not in ("errors", "hinted_resumed_p50_vs_unhinted"))
 
 GROUPS = {"all": lambda r: True, "later": lambda r: r["turn"] >= 2, "first": lambda r: r["turn"] == 1,
           "resumed": lambda r: r["long_pause"]}
@@ -111,9 +113,27 @@ def _ratios(kv: dict, vl: dict, fl: dict, regimes: list[int]) -> dict:
     return out
 
 
+def withheld_keys(results: dict) -> dict[str, str]:
+    """The summary keys that would come from an arm that is no result, with the reason: kvtier's arm
+    degraded (it loaded nothing where it should), its determinism pass not counting, the hints pass
+    (kvtier on tight tiers) degraded. Those keys are None, never a figure."""
+    out: dict[str, str] = {}
+    kv = (results.get("arms") or {}).get("kvtier") or {}
+    if kv.get("degraded"):
+        out.update(dict.fromkeys(KVTIER_KEYS, f"kvtier's arm is degraded ({kv['degraded']})"))
+    invalid = ((results.get("determinism") or {}).get("invalid") or {}).get("kvtier")
+    if invalid:
+        out.setdefault("outputs_equal", f"kvtier's determinism figure does not count: {invalid}")
+    hints = (results.get("hints") or {}).get("degraded")
+    if hints:
+        out["hinted_resumed_p50_vs_unhinted"] = f"the hints pass is degraded ({hints})"
+    return out
+
+
 def summary_keys(results: dict, regimes: list[int]) -> dict:
     """The top-level ratios: kvtier's arm over plain vLLM's (or the floor's), per regime medians;
-    and under ``bounds``, the floor's own ratios over plain vLLM's: the best any tier could do."""
+    and under ``bounds``, the floor's own ratios over plain vLLM's: the best any tier could do.
+    A key that would come from an arm that is no result is None, its reason under ``withheld``."""
     arms = results.get("arms", {})
     kv, vl, fl = (arms.get(name, {}).get("regimes", {}) for name in ("kvtier", "vllm", "floor"))
     out: dict = {k: None for k in AGENT_KEYS + EXTRA_KEYS}
@@ -124,6 +144,8 @@ def summary_keys(results: dict, regimes: list[int]) -> dict:
     out["hinted_resumed_p50_vs_unhinted"] = results.get("hints", {}).get("ratio")
     if fl:
         out["bounds"] = {k: v for k, v in _ratios(fl, vl, fl, regimes).items() if k.endswith(("_vllm", "_max"))}
+    out["withheld"] = withheld = withheld_keys(results)
+    out.update(dict.fromkeys(withheld))
     return out
 
 
@@ -231,16 +253,17 @@ FIGURES = (  # (row label, figure keys, unit): the per-regime table, a column pe
     ("errors / requests", ("errors", "requests"), "count"),
     ("server RSS peak MiB", ("rss_peak_bytes",), "mib"),
     ("kvtier disk MiB", ("disk_bytes",), "mib"),
+    ("unsettled blocks: DRAM-only a minute after the pass (worst seed)", ("unsettled_blocks",), "worst"),
 )
 
 
 def _cell(figures: dict, keys: tuple, unit: str) -> str:
     def one(key: str) -> str:
-        value = figures.get(key)
+        value = figures.get(f"{key}_max", figures.get(key)) if unit == "worst" else figures.get(key)
         if value is None:
             return "-"
         text = {"ms": lambda v: f"{v * 1e3:.0f}", "rate": lambda v: f"{v:.2f}", "count": lambda v: f"{v:.0f}",
-                "mib": lambda v: f"{v / 2**20:.0f}"}[unit](value)
+                "worst": lambda v: f"{v:.0f}", "mib": lambda v: f"{v / 2**20:.0f}"}[unit](value)
         low, high = figures.get(f"{key}_min"), figures.get(f"{key}_max")
         if unit == "ms" and low is not None and high is not None and high > low:
             text += f" ({low * 1e3:.0f}-{high * 1e3:.0f})"
@@ -271,9 +294,10 @@ def tables(results: dict) -> list[tuple[str, list[str], list[tuple]]]:
                     list(results["failed"].items())))
     if results["skipped"]:
         out.append(("arms skipped", ["arm", "reason"], list(results["skipped"].items())))
-    bounds = results.get("bounds") or {}
+    bounds, withheld = results.get("bounds") or {}, results.get("withheld") or {}
     out.append(("summary: kvtier over plain vLLM (or the floor); the floor's own ratio is the best any tier "
                 "could do", ["key", "kvtier", "floor", "target"],
-                [(k, _num(results.get(k)), _num(bounds.get(k)), verdict(k, results.get(k)))
+                [(k, _num(results.get(k)), _num(bounds.get(k)),
+                  f"NOT A RESULT: {withheld[k]}" if k in withheld else verdict(k, results.get(k)))
                  for k in AGENT_KEYS + EXTRA_KEYS]))
     return out

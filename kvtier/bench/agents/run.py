@@ -3,6 +3,7 @@ then the determinism pass; kvtier's arm on tight tiers replays a hinted trace. R
 JSONL file as they come; the figures are returned as one dict."""
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import tempfile
@@ -11,14 +12,17 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlparse
 
 import psutil
 
 from kvtier.bench.agents import arms as armlib
-from kvtier.bench.agents.load import Target, nominal_duration, replay
+from kvtier.bench.agents.load import Target, nominal_duration, replay, stream_completion
 from kvtier.bench.agents.regimes import DEFAULTS, Sizes, check_box, kv_bytes_per_token, regime_trace
 from kvtier.bench.agents.report import combine_seeds, hinted_ratio, summarize, summary_keys
 from kvtier.bench.agents.trace import AgentMix, TurnSpec, materialize, read_trace, unique_tokens, with_hints
+from kvtier.bench.checks import require
+from kvtier.errors import KvtierError
 
 __all__ = ["AgentRun", "run_agents_bench"]
 
@@ -99,7 +103,7 @@ def _one_regime(arm, specs: list[TurnSpec], seed: int, concurrency: int, label: 
                 server: str | None = None, settle: bool = True) -> tuple[dict, list]:
     armlib.empty_caches(arm)
     prompts = materialize(specs, seed)
-    target = Target(arm.url, "agents", hints=arm.name == "kvtier")
+    target = Target(arm.url, armlib.SERVED_NAME, hints=arm.name == "kvtier")
     before = armlib.server_counters(arm.url)
     sampler = _RssSampler(arm.server.proc.pid)
     started = time.perf_counter()
@@ -117,26 +121,72 @@ def _one_regime(arm, specs: list[TurnSpec], seed: int, concurrency: int, label: 
     return summary, records
 
 
-def _determinism(arm, specs: list[TurnSpec], seed: int) -> dict[str, str]:
-    """The same turns one at a time, the engine's prefix cache emptied before each (so kvtier
-    loads what plain vLLM recomputes): greedy outputs by turn."""
-    armlib.empty_caches(arm)
+def _determinism(arm, specs: list[TurnSpec], seed: int, clock: Callable[[], float] = time.monotonic) -> dict:
+    """The same turns one at a time, the engine's prefix cache emptied (a reset vLLM accepted)
+    before each, so a loading arm loads what plain vLLM recomputes: greedy outputs by turn
+    (``texts``), the tokens the arm loaded and the turns that loaded any. A loading arm that loaded
+    nothing in the pass is refused (``FigureRefused``): equal outputs from a recompute prove
+    nothing about loaded KV."""
+    armlib.empty_caches(arm, clock)
     prompts = materialize(specs, seed)
-    target = Target(arm.url, "agents")
-    out = {}
-    import http.client
-    from urllib.parse import urlparse
-
-    from kvtier.bench.agents.load import stream_completion
-
+    target = Target(arm.url, armlib.SERVED_NAME)
+    texts, loaded = {}, []
     host = urlparse(arm.url)
     conn = http.client.HTTPConnection(host.hostname, host.port, timeout=600)
-    for spec in sorted(specs, key=lambda s: (s.session, s.turn)):
-        armlib.post(arm.url + "/reset_prefix_cache")
-        out[f"{spec.session}/{spec.turn}"] = stream_completion(conn, target, spec.session,
-                                                               prompts[(spec.session, spec.turn)],
-                                                               spec.output_tokens)["text"]
-    conn.close()
+    try:
+        for spec in sorted(specs, key=lambda s: (s.session, s.turn)):
+            armlib.reset_prefix_cache(arm, clock)
+            before = armlib.server_counters(arm.url)["loaded_tokens"]
+            texts[f"{spec.session}/{spec.turn}"] = stream_completion(conn, target, spec.session,
+                                                                     prompts[(spec.session, spec.turn)],
+                                                                     spec.output_tokens)["text"]
+            loaded.append(armlib.server_counters(arm.url)["loaded_tokens"] - before)
+    finally:
+        conn.close()
+    if arm.loads:
+        require(sum(loaded) > 0, f"{arm.name} loaded no KV in the determinism pass ({len(texts)} turns, each after "
+                                 f"a prefix-cache reset): its outputs come from recomputing",
+                hint="equal outputs from a recompute prove nothing about loaded KV; see the arm's server log")
+    return {"texts": texts, "loaded_tokens": sum(loaded), "turns_loading": sum(n > 0 for n in loaded)}
+
+
+def _determinism_pass(arm, check: list[TurnSpec], outputs: dict, results: dict, progress) -> None:
+    """Run the arm's determinism pass into ``outputs``; one that fails or is refused is reported
+    under ``failed`` (the arm then has no determinism figure)."""
+    progress(f"arm {arm.name}: determinism pass ({len(check)} turns, one at a time)")
+    try:
+        outputs[arm.name] = _determinism(arm, check, 77)
+    except Exception as exc:  # noqa: BLE001 - reported, and the figures are kept
+        results.setdefault("failed", {})[f"{arm.name} determinism pass"] = str(exc)[:300]
+        progress(f"arm {arm.name}: determinism pass FAILED: {exc}")
+
+
+def determinism_figures(outputs: dict[str, dict], results: dict) -> dict:
+    """Each started arm's determinism outputs against plain vLLM's, turn by turn. An arm whose pass
+    failed or was refused (a loading arm that loaded nothing), or that is degraded, counts for no
+    figure (``invalid``, with the reason); ``outputs_equal`` is the lowest share among the arms that
+    count, and None when kvtier's arm does not."""
+    plain = (outputs.get("vllm") or {}).get("texts")
+    if not plain:
+        return {}
+    arms, failed = results.get("arms") or {}, results.get("failed") or {}
+    invalid = {}
+    for name, entry in arms.items():
+        if name == "vllm":
+            continue
+        if name not in outputs:
+            invalid[name] = f"its determinism pass failed: {failed.get(f'{name} determinism pass', 'no outputs')}"
+        elif entry.get("degraded"):
+            invalid[name] = f"the arm is degraded: {entry['degraded']}"
+    per_arm = {name: sum(o["texts"].get(k) == v for k, v in plain.items()) / len(plain)
+               for name, o in outputs.items()}
+    equal = [share for name, share in per_arm.items() if name != "vllm" and name not in invalid]
+    out = {"turns": len(plain), "per_arm": per_arm,
+           "loaded": {name: {"tokens": o["loaded_tokens"], "turns": o["turns_loading"]}
+                      for name, o in outputs.items() if arms.get(name, {}).get("loads")},
+           "outputs_equal": None if "kvtier" in invalid else (min(equal) if equal else None)}
+    if invalid:
+        out["invalid"] = invalid
     return out
 
 
@@ -176,6 +226,8 @@ def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
     results: dict = {"sizes": dict(sizes.describe() + ([] if user_trace else workload)), "defaults": DEFAULTS,
                      "arms": {}, "skipped": {}, "determinism": {}, "hints": {}, "model": model,
                      "workdir": str(base)}
+    if "kvtier" in run.arms:
+        results["sizes"]["kvtier link re-measurement"] = _remeasure_note()
     records_path = run.records or base / "requests.jsonl"
     outputs: dict[str, dict] = {}
     with open(records_path, "w") as sink_file:
@@ -187,16 +239,20 @@ def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
         if run.hints and "kvtier" in run.arms and "kvtier" not in results["skipped"] and not user_trace:
             _run_hints(model, base, sizes, run, sink, results, progress)
     results["records"] = str(records_path)
-    plain = outputs.get("vllm")
-    if plain:
-        equal = [sum(o.get(k) == v for k, v in plain.items()) / len(plain) for name, o in outputs.items()
-                 if name != "vllm"]
-        results["determinism"] = {"turns": len(plain), "per_arm": {
-            name: sum(o.get(k) == v for k, v in plain.items()) / len(plain) for name, o in outputs.items()},
-            "outputs_equal": min(equal) if equal else None}
+    results["determinism"] = determinism_figures(outputs, results)
     results["concurrent_outputs_differ"] = _concurrent_differences(records_path)
     results.update(summary_keys(results, [int(x) for x in labels if x.isdigit()]))
     return results
+
+
+def _remeasure_note() -> str:
+    """What the kvtier arm's connector does about its links: ``kvtier serve`` takes no setting for
+    ``rates_refresh_s``, so it re-measures them whenever its engine is quiet, other arms' passes
+    included (the count that ran is under the arm's ``link_remeasurements``)."""
+    from kvtier.connector_config import ConnectorConfig
+
+    return (f"on: every {ConnectorConfig.rates_refresh_s:g} s once its engine is quiet, also while other arms are "
+            "timed (kvtier serve has no setting to turn it off)")
 
 
 def _start_arms(names: list[str], model, base, sizes, run, results, progress, label: str = "") -> dict:
@@ -215,10 +271,16 @@ def _start_arms(names: list[str], model, base, sizes, run, results, progress, la
             continue
         live[name] = arm
         progress(f"arm {label or name}: up in {arm.server.start_s:.0f} s; warming up")
-        for _ in range(2):
-            replay(Target(arm.url, "agents"), warm, materialize(warm, 999), run.concurrency)
-            armlib.post(arm.url + "/reset_prefix_cache")
+        warm_up(arm, warm, run.concurrency)
     return live
+
+
+def warm_up(arm, warm: list[TurnSpec], concurrency: int, clock: Callable[[], float] = time.monotonic) -> None:
+    """Replay the warm-up turns twice (the store and load paths both: the second round comes from
+    kvtier's tiers), the engine's prefix cache emptied after each (a reset vLLM accepted)."""
+    for _ in range(2):
+        replay(Target(arm.url, armlib.SERVED_NAME), warm, materialize(warm, 999), concurrency)
+        armlib.reset_prefix_cache(arm, clock)
 
 
 def _passes(names: list[str], round_: int) -> list[tuple[str, str]]:
@@ -260,13 +322,9 @@ def _run_arms(model, base, sizes, run, traces, check, results, outputs, sink, pr
                              f"loaded {summary['loaded_tokens']:.0f}")
             for name, arm in live.items():
                 if not again:
-                    progress(f"arm {name}: determinism pass ({len(check)} turns, one at a time)")
                     servers[name] = arm
-                    try:
-                        outputs[name] = _determinism(arm, check, 77)
-                    except Exception as exc:  # noqa: BLE001 - reported, and the figures are kept
-                        results.setdefault("failed", {})[f"{name} determinism pass"] = str(exc)[:300]
-                        progress(f"arm {name}: determinism pass FAILED: {exc}")
+                    _determinism_pass(arm, check, outputs, results, progress)
+                    _record_remeasurements(arm, results)
         finally:
             for arm in live.values():
                 arm.server.stop()
@@ -274,11 +332,24 @@ def _run_arms(model, base, sizes, run, traces, check, results, outputs, sink, pr
         _merge_arm(results, raw, name, arm)
 
 
+def _record_remeasurements(arm, results: dict) -> None:
+    """kvtier's link re-measurements during the run (see ``armlib.link_remeasurements``): on, and
+    how many ran, in the arm's figures."""
+    if arm.name != "kvtier":
+        return
+    try:
+        count = armlib.link_remeasurements(arm)
+    except KvtierError as exc:  # its admin API did not answer: the count is unknown, the figures are kept
+        count = f"unknown ({exc})"[:200]
+    results["arms"].setdefault(arm.name, {})["link_remeasurements"] = count
+
+
 def _merge_arm(results: dict, raw: dict, name: str, arm) -> None:
     """An arm's figures: medians over seeds (plain vLLM's over both its passes; the drift between
     them, per regime, is the run's noise band)."""
     regimes = raw.get(name, {})
-    entry = results["arms"].setdefault(name, {"start_s": arm.server.start_s})
+    entry = results["arms"].setdefault(name, {})
+    entry["start_s"], entry["loads"] = arm.server.start_s, arm.loads
     again = raw.get(f"{name}-again")
     if again:
         entry["drift"] = {regime: _ratio_or_none(combine_seeds(again[regime]).get("ttft_all_p50"),
@@ -323,7 +394,10 @@ def _run_hints(model, base, sizes, run, sink, results, progress) -> None:
             return
         ratio, detail = hinted_ratio(records)
         results["hints"] = {"ratio": ratio, **detail, "dram_bytes": tight, "nvme_bytes": tight,
-                            "errors": summary["errors"], "retain_s": retain_s}
+                            "errors": summary["errors"], "retain_s": retain_s,
+                            "loaded_tokens": summary["loaded_tokens"]}
+        if not summary["loaded_tokens"]:  # tight tiers that load nothing make no result
+            results["hints"]["degraded"] = "kvtier on tight tiers loaded nothing in the hints pass"
         progress(f"hints: resumed-turn TTFT p50 hinted {detail['hinted_resumed_p50_s'] or 0:.3f} s vs unhinted "
                  f"{detail['unhinted_resumed_p50_s'] or 0:.3f} s")
     finally:

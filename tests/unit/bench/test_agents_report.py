@@ -185,3 +185,69 @@ def test_plain_vllm_brackets_the_other_arms_whose_order_turns_each_round():
                                                        ("vllm", "vllm-again")]
     assert [label for _, label in _passes(["vllm", "floor", "kvtier"], 1)] == ["vllm", "kvtier", "floor", "vllm-again"]
     assert _passes(["vllm"], 0) == [("vllm", "vllm")]
+
+
+def _three_arms(kvtier_entry: dict | None = None) -> dict:
+    def regimes(later, loaded):
+        return {str(r): {"ttft_all_p50": later, "ttft_all_p99": 2 * later, "ttft_later_p50": later,
+                         "ttft_later_p99": 2 * later, "ttft_first_p50": 1.0, "ttft_resumed_p50": later,
+                         "itl_p50": 0.01, "itl_p99": 0.02, "recomputed_tokens": 1000 * later, "errors": 0,
+                         "loaded_tokens": loaded} for r in (1, 2, 3)}
+
+    kvtier = {"regimes": regimes(0.06, 0.0), **(kvtier_entry or {})}
+    return {"arms": {"vllm": {"regimes": regimes(1.0, 0.0)}, "floor": {"regimes": regimes(0.05, 0.0)},
+                     "kvtier": kvtier},
+            "determinism": {"outputs_equal": 1.0}, "hints": {"ratio": 0.4}, "failed": {"kvtier regime 3 seed 1": "x"},
+            "sizes": {"KV per token": "2 KiB"}, "skipped": {}}
+
+
+def test_a_degraded_kvtier_arm_makes_no_summary_figure_and_no_verdict():
+    from kvtier.bench.agents.report import EXTRA_KEYS, KVTIER_KEYS
+
+    results = _three_arms({"degraded": "loaded nothing in regime 2, 3"})
+    keys = summary_keys(results, [1, 2, 3])
+    assert set(AGENT_KEYS + EXTRA_KEYS) <= set(keys)  # the JSON keys keep their names
+    assert all(keys[k] is None for k in KVTIER_KEYS)  # not one ratio from an arm that loaded nothing
+    assert keys["withheld"]["r2_ttft_p50_vs_vllm"] == "kvtier's arm is degraded (loaded nothing in regime 2, 3)"
+    assert keys["errors"] == 1 and keys["hinted_resumed_p50_vs_unhinted"] == 0.4  # not from that arm
+    assert keys["bounds"]["r2_ttft_p50_vs_vllm"] == pytest.approx(0.05)  # the floor's, still a figure
+    summary = dict((row[0], row) for row in tables({**results, **keys})[-1][2])
+    assert summary["r2_ttft_p50_vs_vllm"][1] == "-"
+    assert summary["r2_ttft_p50_vs_vllm"][3].startswith("NOT A RESULT: kvtier's arm is degraded")
+    assert summary["outputs_equal"][3].startswith("NOT A RESULT")
+
+
+def test_a_sound_kvtier_arm_keeps_its_figures():
+    keys = summary_keys(_three_arms(), [1, 2, 3])
+    assert keys["r2_ttft_p50_vs_vllm"] == pytest.approx(0.06) and keys["withheld"] == {}
+    assert keys["outputs_equal"] == 1.0
+
+
+def test_a_degraded_hints_pass_and_a_kvtier_determinism_that_does_not_count_make_no_figure():
+    results = _three_arms()
+    results["hints"] = {"ratio": 0.3, "degraded": "kvtier on tight tiers loaded nothing in the hints pass"}
+    results["determinism"] = {"outputs_equal": None, "invalid": {"kvtier": "its determinism pass failed: no KV"}}
+    keys = summary_keys(results, [1, 2, 3])
+    assert keys["hinted_resumed_p50_vs_unhinted"] is None and "hints pass" in keys["withheld"][
+        "hinted_resumed_p50_vs_unhinted"]
+    assert keys["outputs_equal"] is None and "no KV" in keys["withheld"]["outputs_equal"]
+    assert keys["r2_ttft_p50_vs_vllm"] == pytest.approx(0.06)  # the regimes' figures stand
+
+
+def test_unsettled_blocks_are_in_the_printed_regime_tables():
+    results = _three_arms()
+    for name, arm in results["arms"].items():
+        for figures in arm["regimes"].values():
+            figures.update({"unsettled_blocks": 0, "unsettled_blocks_min": 0, "unsettled_blocks_max": 0})
+    results["arms"]["kvtier"]["regimes"]["3"].update({"unsettled_blocks": 2, "unsettled_blocks_max": 17})
+    by_title = {title: (columns, rows) for title, columns, rows in tables({**results, **summary_keys(results, [3])})}
+    columns, rows = by_title["regime 3"]
+    row = next(r for r in rows if "unsettled" in r[0])
+    assert row[columns.index("kvtier")] == "17"  # the worst seed: the one whose write-behind ran into the next arm
+    assert row[columns.index("vllm")] == "0"
+
+
+def test_kv_bytes_per_token_takes_head_dim_and_a_text_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], "text_config": {
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 64}}))
+    assert kv_bytes_per_token(str(tmp_path)) == 2 * 2 * 64 * 2 * 2
