@@ -292,7 +292,7 @@ def demo(
     import contextlib
     import sys
 
-    from kvtier.bench.vllm.demo import run_demo
+    from kvtier.launch.demo import run_demo
 
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; keep the story readable
         results = run_demo(tokens=tokens, size=size, say=lambda msg: typer.echo(msg, err=True))

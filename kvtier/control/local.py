@@ -1,6 +1,6 @@
 """The admin API over an in-process ``TierEngine``: the same server, with a job thread standing in
 for vLLM's engine loop (jobs run in order, one step at a time, results applied under the lock).
-Used by the tests, ``kvtier bench admin`` and the examples; the connector wires the server to
+Used by the tests, ``python -m benchmarks admin`` and the examples; the connector wires the server to
 vLLM instead (``plugins/vllm/scheduler.py``)."""
 from __future__ import annotations
 

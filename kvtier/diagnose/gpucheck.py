@@ -147,7 +147,7 @@ def pinned_rss(device, size_bytes: int = (1 << 30) + 7 * 4096) -> dict:
     """Pinning the DRAM tier must not round it up (the design in ``tiers/dram.py``: one
     ``cudaHostRegister`` of an exact-size arena, never PyTorch's caching host allocator, which rounds
     a request up to a power of two): the process RSS grows by the arena's size, at most 5% + 64 MiB
-    more, and drops back once it is freed. ``kvtier bench memory`` measures the whole server on CPU,
+    more, and drops back once it is freed. ``python -m benchmarks memory`` measures the whole server on CPU,
     where nothing is pinned; this is its GPU half."""
     import gc
 

@@ -315,7 +315,7 @@ def vllm_cpu_env(user: Mapping[str, str], vllm_args: Sequence[str], connector: b
         # vLLM's CPU backend reserves one more core whenever a KV connector is configured (for
         # NIXL's prefill/decode transfers, which kvtier does not use). On a small box that changes
         # the model's OpenMP thread count, so outputs stop matching plain vLLM bit for bit (found
-        # by `kvtier bench faults`); kvtier's mover threads share the scheduler's reserved core.
+        # by `python -m benchmarks faults`); kvtier's mover threads share the scheduler's reserved core.
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     return env
 

@@ -7,14 +7,14 @@ points instead, ``commit_point``). Nothing else in ``kvtier.tiers``, ``kvtier.pe
 
 Two observers can be attached, both for tests and benchmarks, never set when serving:
 
-* a **recorder** (``kvtier.bench.power.trace.Recorder``) that sees each operation with its file
+* a **recorder** (``benchmarks.power.trace.Recorder``) that sees each operation with its file
   and range, and the points where kvtier acknowledges something as durable, so that crash states
   of a power cut can be built from the trace;
 * a **slowdown** (``set_slowdown``): each data IO (read, write, sync) then takes ``factor`` times
   its own time, as on a failing drive, a noisy neighbour or a RAID rebuild.
 
 When neither is set, each function is the ``os`` call it wraps plus one global read and test:
-the write path's CPU time per GiB is the same (``kvtier bench faults --power`` measures it).
+the write path's CPU time per GiB is the same (``python -m benchmarks faults --power`` measures it).
 
 What "acknowledged" means, per thing kvtier keeps:
 * a block on NVMe: when its ``write_batch`` returned its size, i.e. after its record's segment
@@ -41,7 +41,7 @@ __all__ = ["open_file", "close", "pwritev", "pwrite", "append", "preadv", "fdata
            "allocate", "punch_hole", "ftruncate", "truncate", "replace", "unlink", "mkdir", "rmdir",
            "write_small_file", "commit_point", "acknowledge", "set_recorder", "set_slowdown", "recorder"]
 
-_recorder: Any = None  # a kvtier.bench.power.trace.Recorder while one records (tests, benchmarks)
+_recorder: Any = None  # a benchmarks.power.trace.Recorder while one records (tests, benchmarks)
 _slowdown: float = 1.0  # > 1: each data IO takes this many times its own time (injected slow disk)
 
 

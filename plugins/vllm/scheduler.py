@@ -152,7 +152,7 @@ class KVTierScheduler:
         self.hbm_cache = self._listen_hbm(vllm_config)  # vLLM's prefix cache, from its KV events
         if config.admin_socket:
             self._start_admin(config)
-        self.catalog_paused = threading.Event()  # `kvtier bench restart`: the same engine with it off
+        self.catalog_paused = threading.Event()  # `python -m benchmarks restart`: the same engine with it off
         threading.Thread(target=self._keep_catalog, args=(config.catalog_interval_s,),
                          name="kvtier-catalog", daemon=True).start()
 

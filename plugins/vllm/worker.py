@@ -119,7 +119,7 @@ class KVTierWorker:
         self._caps = parse_link_caps(config.link_gbps)  # an emulated slow link (demos, benchmarks)
         self._stopping = threading.Event()
         self._writer: threading.Thread | None = None
-        self.write_behind_paused = threading.Event()  # `kvtier bench restart`: the same engine with it off
+        self.write_behind_paused = threading.Event()  # `python -m benchmarks restart`: the same engine with it off
         self._in_step, self._step_ended = False, 0.0
         # sleep mode: vLLM's KV tensors (the same objects after a wake-up), what they looked like, the
         # stores and loads that touch them while they run, and the DRAM slots a change of weights made stale

@@ -501,7 +501,7 @@ def test_concurrent_clients(server):
 
 
 def test_fuzz_finds_no_crash_and_no_accepted_invalid_request(server, tmp_path):
-    from kvtier.bench.admin import fuzz
+    from benchmarks.admin import fuzz
 
     counts = fuzz(server.sock, 80, seed=1, snapshot_dir=tmp_path / "snapshots")
     assert counts["requests"] == 80
@@ -511,7 +511,7 @@ def test_fuzz_finds_no_crash_and_no_accepted_invalid_request(server, tmp_path):
 
 def test_fuzz_oracle_flags_what_a_lax_server_would_accept(server, monkeypatch):
     """The fuzz harness can fail: a server that accepted unknown fields would be counted."""
-    from kvtier.bench.admin import _send, is_valid_request
+    from benchmarks.admin import _send, is_valid_request
     from kvtier.control import server as srv
 
     body = b'{"tier": "dram", "extra": 1}'
@@ -526,8 +526,8 @@ def test_fuzz_oracle_flags_what_a_lax_server_would_accept(server, monkeypatch):
 
 
 def test_admin_latency_bench_measures_admin_and_reference():
-    """The latency half of `kvtier bench admin` (in-process engine): both series, every figure."""
-    from kvtier.bench.admin import run_local_load_latency
+    """The latency half of `python -m benchmarks admin` (in-process engine): both series, every figure."""
+    from benchmarks.admin import run_local_load_latency
 
     out = run_local_load_latency(1.0, lambda _msg: None)
     assert out["_latency_samples"] > 20

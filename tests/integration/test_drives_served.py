@@ -12,7 +12,7 @@ need("vllm")
 
 def test_one_of_two_drives_lost_while_serving_fails_no_request(tiny_model, tmp_path):
     from kvtier.bench.checks import reset_served_prefix_cache
-    from kvtier.bench.vllm.served import Served
+    from kvtier.launch.served import Served
 
     a, b = tmp_path / "drive-a", tmp_path / "drive-b"
     served = Served(str(tiny_model), tmp_path, "x", 2048, nvme_dir=f"{a}:{b}", write_behind="off")

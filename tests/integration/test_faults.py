@@ -1,6 +1,6 @@
 """Reliability: SIGKILL at random points, on-disk corruption, DRAM pressure, disk faults and hostile
-input, through kvtier's real data path (``kvtier.bench.faults``; the long runs are
-``kvtier bench faults``). Every block's content is a function of its key, so every load is checked
+input, through kvtier's real data path (``benchmarks.faults.suite``; the long runs are
+``python -m benchmarks faults``). Every block's content is a function of its key, so every load is checked
 bit for bit against its reference."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from support.engine import break_disk, heal_disk
 from support.realpath import need
 
-from kvtier.bench import faults
+from benchmarks.faults import suite as faults
 
 
 def test_crash_trials_lose_nothing_and_serve_nothing_wrong(tmp_path):
@@ -160,14 +160,14 @@ def test_bench_faults_cli_without_vllm_prints_the_keys(tmp_path, monkeypatch):
 
     from typer.testing import CliRunner
 
-    from kvtier.cli.main import app
+    from benchmarks.cli import app
 
     small = {"run_crash_trials": 2, "run_corruption_trials": 8, "run_pressure": 20, "run_hostile": 10,
              "run_poisoning": 8}
     for name, n in small.items():
         real = getattr(faults, name)
         monkeypatch.setattr(faults, name, lambda *a, _real=real, _n=n, **k: _real(_n, progress=lambda _m: None))
-    out = CliRunner().invoke(app, ["bench", "faults", "--no-vllm", "--quick", "--json"])
+    out = CliRunner().invoke(app, ["faults", "--no-vllm", "--quick", "--json"])
     assert out.exit_code == 0, out.output
     doc = json.loads(out.output[out.output.index("{"):])
     assert set(doc) == set(faults.FAULT_KEYS)
@@ -180,7 +180,7 @@ def test_forged_snapshots_are_refused_poison_nothing_and_leak_nothing(tmp_path):
     hash scheme, session id, a harmless-looking tamper), each with valid checksums, restored through
     a real admin server: none accepted, the victim's prefix never loads other KV, 300 refused
     restores take no slot, row, NVMe byte or session."""
-    from kvtier.bench.faults import POISON_KINDS, run_poisoning
+    from benchmarks.faults.suite import POISON_KINDS, run_poisoning
 
     out = run_poisoning(5 * len(POISON_KINDS), 300, directory=tmp_path, progress=lambda _m: None)
     assert out["poisoning_attempts"] == 40
@@ -200,7 +200,7 @@ def test_serving_under_load_chaos_and_disk_faults_matches_plain_vllm(tiny_model)
     if not (_shutil.which("unshare") and _shutil.which("nsenter")):
         pytest.skip("needs unshare and nsenter (util-linux)")
     need("vllm")
-    from kvtier.bench.vllm.faults import run_serving_faults
+    from benchmarks.faults.serving import run_serving_faults
 
     out = run_serving_faults(quick=True, progress=lambda _m: None, model=str(tiny_model))
     assert out["failed_requests_under_load"] == 0, out["_failures"]

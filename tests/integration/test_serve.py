@@ -19,8 +19,8 @@ import pytest
 from support.realpath import need
 from typer.testing import CliRunner
 
-from kvtier.bench.vllm.faults import free_port
 from kvtier.cli.main import app
+from kvtier.launch.served import free_port
 
 runner = CliRunner()
 GiB = 2**30

@@ -10,14 +10,14 @@ import pytest
 from support.realpath import need
 
 from kvtier.bench.checks import reset_served_prefix_cache
-from kvtier.bench.vllm.faults import free_port
+from kvtier.launch.served import free_port
 
 pytestmark = pytest.mark.slow
 openai = need("openai")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 240) -> None:
-    from kvtier.bench.vllm.faults import wait_ready as ready
+    from kvtier.launch.served import wait_ready as ready
 
     ready(url, proc, timeout=timeout)
 
@@ -192,7 +192,7 @@ def test_a_sigkilled_server_loses_nothing_older_than_the_write_behind_window(tin
     the write-behind window is listed by the next server and its next turn loads, same text."""
     import signal as sig
 
-    from kvtier.bench.vllm.served import Served
+    from kvtier.launch.served import Served
 
     prompt = [3 + (i * 131) % 1900 for i in range(1100)]
     server = Served(str(tiny_model), tmp_path, "first", 2048, write_behind="1")

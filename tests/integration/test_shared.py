@@ -21,7 +21,7 @@ if shutil.which("redis-server") is None and shutil.which("valkey-server") is Non
         raise RuntimeError("a CI run (KVTIER_CI=1) and there is no redis-server")
     pytest.skip("no redis-server (apt-get install redis-server)", allow_module_level=True)
 
-from kvtier.bench.redisproc import RedisServer, start_cluster  # noqa: E402
+from benchmarks.redisproc import RedisServer, start_cluster  # noqa: E402
 from kvtier.errors import ConfigError, UsageError  # noqa: E402
 from kvtier.tiers.shared.config import SharedConfig, load_credentials, parse_shared_url  # noqa: E402
 from kvtier.tiers.shared.store import SharedStore, SharedUnavailable, block_key  # noqa: E402
@@ -172,7 +172,7 @@ def test_forged_and_damaged_values_are_never_served(redis_server):
     """The benchmark's forgeries (random, truncated, flipped, another key's, namespace's, model's or
     rank's value, a lying length, unsigned, signed by an unknown key, empty) through the tier and an
     engine's FETCH job."""
-    from kvtier.bench.shared import FORGERIES, run_foreign_values
+    from benchmarks.shared import FORGERIES, run_foreign_values
 
     results = run_foreign_values(redis_server.url, per_kind=8, progress=lambda _: None)
     assert results["_foreign_values_tried"] == 8 * len(FORGERIES) + 64
@@ -360,8 +360,8 @@ def test_two_servers_continue_each_others_sessions(tiny_model, tmp_path, monkeyp
 
     from typer.testing import CliRunner
 
-    from kvtier.bench.vllm.served import Served
     from kvtier.cli.main import app
+    from kvtier.launch.served import Served
 
     runner = CliRunner()
     for key in list(os.environ):

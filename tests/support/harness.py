@@ -4,14 +4,14 @@ They live in ``kvtier.bench`` (the benchmarks drive the same servers); tests tak
 that a move inside ``kvtier.bench`` is one edit. Each name is imported on first use: a test of the
 dashboard must not pull vLLM in because a served-engine harness sits beside its pseudo-terminal.
 
-* ``demo_admin``, ``PtyApp`` (``kvtier.bench.top``): an in-process tier engine behind a real admin
+* ``demo_admin``, ``PtyApp`` (``benchmarks.top``): an in-process tier engine behind a real admin
   socket; ``kvtier top`` in a child process on a pseudo-terminal.
-* ``Served`` (``kvtier.bench.vllm.served``): a real ``kvtier serve`` process, ready when constructed.
-* ``free_port``, ``wait_ready`` (``kvtier.bench.vllm.faults``): a free TCP port; wait until a server
+* ``Served`` (``kvtier.launch.served``): a real ``kvtier serve`` process, ready when constructed.
+* ``free_port``, ``wait_ready`` (``kvtier.launch.served``): a free TCP port; wait until a server
   started on one answers.
-* ``RedisServer``, ``start_cluster`` (``kvtier.bench.redisproc``): real Redis/Valkey processes for the
+* ``RedisServer``, ``start_cluster`` (``benchmarks.redisproc``): real Redis/Valkey processes for the
   shared tier.
-* ``Engine``, ``cpu_environment`` (``kvtier.bench.vllm.harness``): vLLM with kvtier in this process.
+* ``Engine``, ``cpu_environment`` (``kvtier.bench.harness``): vLLM with kvtier in this process.
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "demo_admin": "kvtier.bench.top",
-    "PtyApp": "kvtier.bench.top",
-    "Served": "kvtier.bench.vllm.served",
-    "free_port": "kvtier.bench.vllm.faults",
-    "wait_ready": "kvtier.bench.vllm.faults",
-    "RedisServer": "kvtier.bench.redisproc",
-    "start_cluster": "kvtier.bench.redisproc",
-    "Engine": "kvtier.bench.vllm.harness",
-    "cpu_environment": "kvtier.bench.vllm.harness",
+    "demo_admin": "benchmarks.top",
+    "PtyApp": "benchmarks.top",
+    "Served": "kvtier.launch.served",
+    "free_port": "kvtier.launch.served",
+    "wait_ready": "kvtier.launch.served",
+    "RedisServer": "benchmarks.redisproc",
+    "start_cluster": "benchmarks.redisproc",
+    "Engine": "kvtier.bench.harness",
+    "cpu_environment": "kvtier.bench.harness",
 }
 
 __all__ = sorted(_WHERE)

@@ -53,7 +53,7 @@ def parse_arms(text: str | None, quick: bool) -> list[str]:
 @dataclass
 class Arm:
     name: str
-    server: object  # a kvtier.bench.vllm.served.Served
+    server: object  # a kvtier.launch.served.Served
     loads: bool  # should load KV from outside the engine
 
     @property
@@ -80,7 +80,7 @@ def start_arm(name: str, model: str, base: Path, sizes: Sizes, passthrough: tupl
               dram: int | None = None, nvme: int | None = None, label: str | None = None) -> Arm:
     """Start one arm's server (raises ArmSkipped with the reason when it cannot start)."""
     from kvtier.launch.serve import is_cpu_only
-    from kvtier.bench.vllm.served import Served
+    from kvtier.launch.served import Served
 
     common = dict(max_len=sizes.max_len, max_seqs=sizes.concurrency, served_name=SERVED_NAME)
     label = label or name
@@ -120,7 +120,7 @@ def _start_lmcache(model: str, base: Path, label: str, sizes: Sizes, passthrough
                    common: dict) -> Arm:  # pragma: no cover - needs a GPU box
     import os
 
-    from kvtier.bench.vllm.served import Served
+    from kvtier.launch.served import Served
 
     disk = base / f"{label}-disk"
     disk.mkdir(exist_ok=True)

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvtier.bench.top import demo_admin
+from benchmarks.top import demo_admin
 from kvtier.control.client import AdminClient
 from kvtier.tui.collector import Collector
 

@@ -351,7 +351,7 @@ def test_stats_report_tokens_per_gib_per_tier():
 
 
 def test_needle_harness_detects_a_broken_codec():
-    from kvtier.bench.quality import needle_accuracy, quantizer_for
+    from benchmarks.quality.synthetic import needle_accuracy, quantizer_for
 
     exact = needle_accuracy(lambda keys, first=False: keys, 1024, 30)
     good = needle_accuracy(quantizer_for("int4-lc"), 1024, 30)
@@ -365,8 +365,8 @@ def test_needle_harness_detects_a_broken_codec():
 
 
 def test_reconstruction_figures_order_codecs_sensibly():
+    from benchmarks.quality.synthetic import reconstruction
     from kvtier.bench.codecs import synthetic_blocks
-    from kvtier.bench.quality import reconstruction
 
     blocks = synthetic_blocks(KVGeometry(2, 2, 64, 128), 2, seed=4)
     fp8, int8, int4 = (reconstruction(spec, blocks) for spec in ("fp8", "int8", "int4"))

@@ -272,7 +272,7 @@ def test_another_boxs_snapshot_restores_once_its_key_is_trusted(served, keys, fi
 
 # ---- paths: the server touches only its snapshot directory, or a file the client hands over ---------------
 def test_no_path_a_client_names_escapes_the_snapshot_directory(tmp_path):
-    from kvtier.bench.faults import run_path_escapes
+    from benchmarks.faults.suite import run_path_escapes
 
     out = run_path_escapes(directory=tmp_path, progress=lambda _m: None)
     assert out["path_escapes_tried"] >= 100
