@@ -89,6 +89,7 @@ class Settings:
     warm_codec: str = "none"
     cold_codec: str = "none"
     link_gbps: str = ""  # caps on measured link rates for the cost model, e.g. "pcie=3.9,nvme=1.5" (GB/s)
+    rates_refresh: float = 300.0  # seconds between re-measurements of the links once the engine is quiet; 0: never
     write_behind: str = "10"  # seconds a DRAM-only block may wait for its NVMe copy, or "off"
     stop_timeout: float = 60.0  # kvtier serve: seconds the flush on stop may take before vLLM stops anyway
     shared: str = ""  # the shared tier: redis://host:port/db, rediss://, unix:///path ("" = none)
@@ -210,6 +211,8 @@ def validate_settings(settings: Settings, sources: Mapping[str, str] | None = No
     except ConfigError as exc:
         fail("write_behind", exc.message.split(": ", 1)[-1] if ": " in exc.message else "unknown value",
              exc.hint or "e.g. 10, or off")
+    if not 0 <= settings.rates_refresh <= 86400:
+        fail("rates_refresh", "must be between 0 (never) and 86400 seconds", "e.g. rates_refresh = 300")
     if not 0 <= settings.stop_timeout <= 86400:
         fail("stop_timeout", "must be between 0 and 86400 seconds", "e.g. stop_timeout = 60")
     for name in _PATH_FIELDS + ("warm_codec", "cold_codec"):

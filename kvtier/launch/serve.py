@@ -107,7 +107,8 @@ def build_kv_transfer_config(settings: Settings, model_id: str, api_url: str | N
         policy=settings.policy, high_watermark=float(settings.high_watermark),
         low_watermark=float(settings.low_watermark), io_threads=int(settings.io_threads),
         direct_io=settings.direct_io, warm_codec=settings.warm_codec, cold_codec=settings.cold_codec,
-        link_gbps=settings.link_gbps, write_behind=settings.write_behind, model_id=model_id,
+        link_gbps=settings.link_gbps, rates_refresh_s=float(settings.rates_refresh),
+        write_behind=settings.write_behind, model_id=model_id,
         admin_socket=admin_socket, snapshot_dir=str(settings.snapshot_dir) if admin_socket else None,
         admin_tcp=admin_tcp, api_url=api_url, **shared, **{k: v for k, v in identity.items() if v})
     return {

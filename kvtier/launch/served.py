@@ -47,13 +47,14 @@ class Served:
     def __init__(self, model: str, base: Path, name: str, max_len: int, write_behind: str = "10",
                  nvme_dir: Path | None = None, vllm_args: tuple[str, ...] = (), connector: bool = True,
                  serve_args: tuple[str, ...] = (), instance: str | None = None, served_name: str = "tiny",
-                 max_seqs: int = 1, dram: str = "1GiB", nvme: str = "8GiB"):
+                 max_seqs: int = 1, dram: str = "1GiB", nvme: str = "8GiB", env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = base / f"{name}.log"
         self.env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(base), VLLM_CPU_KVCACHE_SPACE="1",
                         VLLM_CACHE_ROOT=str(base / "vllm-cache"), PYTHONUNBUFFERED="1",
-                        XDG_RUNTIME_DIR=str(base / "run"), KVTIER_SNAPSHOT_DIR=str(base / "snapshots"))
+                        XDG_RUNTIME_DIR=str(base / "run"), KVTIER_SNAPSHOT_DIR=str(base / "snapshots"),
+                        **(env or {}))
         if has_flag(vllm_args, "--kv-cache-memory-bytes"):
             del self.env["VLLM_CPU_KVCACHE_SPACE"]  # it would beat the flag (vLLM's CPU platform)
         (base / "run").mkdir(exist_ok=True)

@@ -29,6 +29,9 @@ __all__ = ["ARMS", "QUICK_ARMS", "SERVED_NAME", "ArmSkipped", "empty_caches", "l
 
 ARMS = ("vllm", "floor", "kvtier", "native", "lmcache")
 QUICK_ARMS = ("vllm", "floor", "kvtier")
+# kvtier re-measures its links whenever its engine is quiet: on a box where the arms take turns that is
+# while the others are timed, so its arm runs with re-measurement off (the setting `rates_refresh`)
+KVTIER_ENV = {"KVTIER_RATES_REFRESH": "0"}
 LOADING_ARMS = ("kvtier", "native", "lmcache")  # arms that should load KV from outside the engine
 SERVED_NAME = "agents"  # every arm's --served-model-name
 
@@ -93,7 +96,8 @@ def start_arm(name: str, model: str, base: Path, sizes: Sizes, passthrough: tupl
             server = Served(model, base, label, nvme_dir=base / f"{label}-nvme",
                             dram=str(dram if dram is not None else sizes.dram),
                             nvme=str(nvme if nvme is not None else sizes.nvme),
-                            vllm_args=_engine_args(sizes, sizes.engine_kv, passthrough), **common)
+                            vllm_args=_engine_args(sizes, sizes.engine_kv, passthrough), env=KVTIER_ENV,
+                            **common)
             return Arm(name, server, True)
         if name == "native":
             gib = f"{sizes.dram / (1 << 30):.3f}"
@@ -199,9 +203,8 @@ def settle(arm: Arm) -> int:
 
 
 def link_remeasurements(arm: Arm) -> int | None:
-    """How many times kvtier's connector re-measured its links so far (None for the other arms).
-    It does so in the background every ``rates_refresh_s`` (300 s) once its engine is quiet: while
-    the other arms are timed; ``kvtier serve`` has no setting that turns it off."""
+    """How many times kvtier's connector re-measured its links so far (None for the other arms): 0
+    with ``KVTIER_ENV``'s re-measurement off, which the run checks."""
     if arm.name != "kvtier":
         return None
     admin = _admin(arm)

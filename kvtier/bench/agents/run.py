@@ -22,7 +22,6 @@ from kvtier.bench.agents.regimes import DEFAULTS, Sizes, check_box, kv_bytes_per
 from kvtier.bench.agents.report import combine_seeds, hinted_ratio, summarize, summary_keys
 from kvtier.bench.agents.trace import AgentMix, TurnSpec, materialize, read_trace, unique_tokens, with_hints
 from kvtier.bench.checks import require
-from kvtier.errors import KvtierError
 
 __all__ = ["AgentRun", "run_agents_bench"]
 
@@ -246,13 +245,9 @@ def run_agents_bench(run: AgentRun, progress: Callable[[str], None]) -> dict:
 
 
 def _remeasure_note() -> str:
-    """What the kvtier arm's connector does about its links: ``kvtier serve`` takes no setting for
-    ``rates_refresh_s``, so it re-measures them whenever its engine is quiet, other arms' passes
-    included (the count that ran is under the arm's ``link_remeasurements``)."""
-    from kvtier.connector_config import ConnectorConfig
-
-    return (f"on: every {ConnectorConfig.rates_refresh_s:g} s once its engine is quiet, also while other arms are "
-            "timed (kvtier serve has no setting to turn it off)")
+    """What the kvtier arm's connector does about its links during the run (``armlib.KVTIER_ENV``)."""
+    return ("off (KVTIER_RATES_REFRESH=0): the links measured at start only, so nothing of kvtier's runs "
+            "while the other arms are timed; the count is under the arm's link_remeasurements")
 
 
 def _start_arms(names: list[str], model, base, sizes, run, results, progress, label: str = "") -> dict:
@@ -333,14 +328,13 @@ def _run_arms(model, base, sizes, run, traces, check, results, outputs, sink, pr
 
 
 def _record_remeasurements(arm, results: dict) -> None:
-    """kvtier's link re-measurements during the run (see ``armlib.link_remeasurements``): on, and
-    how many ran, in the arm's figures."""
+    """kvtier's link re-measurements during the run (``armlib.link_remeasurements``), in the arm's
+    figures: re-measurement is off for the run, so any count but 0 refuses its figures."""
     if arm.name != "kvtier":
         return
-    try:
-        count = armlib.link_remeasurements(arm)
-    except KvtierError as exc:  # its admin API did not answer: the count is unknown, the figures are kept
-        count = f"unknown ({exc})"[:200]
+    count = armlib.link_remeasurements(arm)
+    require(count == 0, f"kvtier re-measured its links {count} times while other arms were timed",
+            hint="the kvtier arm runs with KVTIER_RATES_REFRESH=0; check that kvtier serve takes it")
     results["arms"].setdefault(arm.name, {})["link_remeasurements"] = count
 
 

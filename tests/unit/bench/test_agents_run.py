@@ -287,14 +287,25 @@ def test_emptying_kvtier_raises_any_other_refusal_or_fault(vllm_factory, admin_f
 
 
 # ---- kvtier's link re-measurement ------------------------------------------------------------------
-def test_kvtiers_link_remeasurements_are_recorded(vllm_factory, admin_factory):
-    admin = admin_factory([], refreshes=3)
-    kvtier = _arm("kvtier", vllm_factory().url, admin.path)
-    assert armlib.link_remeasurements(kvtier) == 3
-    assert armlib.link_remeasurements(_arm("vllm", "http://127.0.0.1:9")) is None
+def test_kvtiers_link_remeasurements_are_off_and_a_count_refuses_the_figures(vllm_factory, admin_factory):
+    """The kvtier arm runs with re-measurement off (a re-measurement while the other arms are timed
+    would compete with them); if kvtier re-measured anyway, its figures are refused."""
+    from kvtier.config import load_settings
+    from kvtier.launch.serve import build_kv_transfer_config
+
+    settings, sources = load_settings(env=armlib.KVTIER_ENV)
+    assert sources["rates_refresh"] == "env KVTIER_RATES_REFRESH"  # what kvtier serve reads
+    extra = build_kv_transfer_config(settings, "m")["kv_connector_extra_config"]
+    assert extra["rates_refresh_s"] == 0  # what the connector runs with
+    quiet = _arm("kvtier", vllm_factory().url, admin_factory([], refreshes=0).path)
     results = {"arms": {}}
-    runlib._record_remeasurements(kvtier, results)
-    assert results["arms"]["kvtier"]["link_remeasurements"] == 3
+    runlib._record_remeasurements(quiet, results)
+    assert results["arms"]["kvtier"]["link_remeasurements"] == 0
+    noisy = _arm("kvtier", vllm_factory().url, admin_factory([], refreshes=3).path)
+    assert armlib.link_remeasurements(noisy) == 3
+    assert armlib.link_remeasurements(_arm("vllm", "http://127.0.0.1:9")) is None
+    with pytest.raises(FigureRefused, match="re-measured its links 3 times"):
+        runlib._record_remeasurements(noisy, {"arms": {}})
 
 
 # ---- a model the benchmark cannot size -----------------------------------------------------------

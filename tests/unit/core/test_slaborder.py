@@ -24,7 +24,8 @@ def _amx_cpu() -> bool:
 # vLLM's amx kernels exist only on CPUs with AMX: elsewhere the op refuses that ISA
 AMX = pytest.mark.skipif(not _amx_cpu(), reason="this CPU has no AMX: vLLM's amx kernels refuse to run here")
 # (isa, block tokens, head_dim): amx and vec need blocks of 32k tokens; vec16 is any 16k head_dim
-CASES = [pytest.param("amx", 128, 128, marks=AMX), pytest.param("amx", 32, 64, marks=AMX), ("vec", 128, 128), ("vec", 32, 64), ("vec16", 16, 64),
+CASES = [pytest.param("amx", 128, 128, marks=AMX), pytest.param("amx", 32, 64, marks=AMX),
+         ("vec", 128, 128), ("vec", 32, 64), ("vec16", 16, 64),
          ("vec16", 16, 128)]
 
 
