@@ -282,3 +282,20 @@ def bench_memory(
         return
     print_table("python -m benchmarks memory", MEMORY_COLUMNS, memory_rows(results))
     typer.echo(", ".join(f"{key}={results[key]}" for key in MEMORY_KEYS))
+
+
+@app.command("record", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@handle_errors
+def record_command(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The benchmark: tiers, codecs, restore, serve, costmodel, agents (kvtier "
+                                         "bench), faults, power, slow-disk, quality, admin, top, scale, memory, "
+                                         "shared, restart (this rig)."),
+    quick: bool = typer.Option(False, "--quick", help="Its --quick run (kept apart: never replaces a full one)."),
+) -> None:
+    """Run one benchmark with --json and keep its figures, with the commit and the machine, under
+    benchmarks/results/ (for python -m benchmarks.render). Arguments after `--` go to the benchmark."""
+    from benchmarks.record import record
+
+    path = record(name, quick=quick, extra=tuple(ctx.args))
+    typer.echo(f"recorded {path}")
