@@ -7,11 +7,8 @@ The served engine is a stand-in on a real loopback socket (vLLM's reset and comp
 kvtier's turn record through an admin stand-in); the slow-disk figures are fed recorded turns."""
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
+from support.standin import JsonStandIn
 
 from kvtier.bench.checks import FigureRefused
 from kvtier.launch.served import Served
@@ -19,7 +16,7 @@ from kvtier.launch.served import Served
 PROMPT = 8256  # the slow-disk bench's session after two more messages (8192 + 64 tokens each)
 
 
-class EngineStandIn:
+class EngineStandIn(JsonStandIn):
     """vLLM's dev endpoints as the served benches use them: refuses ``refusals`` resets, then accepts;
     a turn after a refused reset is a prefix-cache hit (every full block cached), after an accepted
     one it is computed in full. kvtier's record of each turn is kept for the admin stand-in."""
@@ -27,32 +24,16 @@ class EngineStandIn:
     def __init__(self, refusals: int):
         self.refusals, self.paths, self.records = refusals, [], {}
         self.cache_empty = False
-        stand_in = self
+        super().__init__(self.reply)
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length)) if length else None
-                stand_in.paths.append(self.path)
-                if self.path == "/reset_prefix_cache":
-                    reply = {"success": stand_in.refusals <= 0}
-                    stand_in.cache_empty = reply["success"]
-                    stand_in.refusals -= 1
-                else:
-                    reply = stand_in.complete(body["prompt"], self.headers.get("X-Session-ID"))
-                data = json.dumps(reply).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def reply(self, path: str, body, headers) -> dict:
+        self.paths.append(path)
+        if path == "/reset_prefix_cache":
+            ok = self.refusals <= 0
+            self.cache_empty = ok
+            self.refusals -= 1
+            return {"success": ok}
+        return self.complete(body["prompt"], headers.get("X-Session-ID"))
 
     def complete(self, prompt: list[int], session: str | None) -> dict:
         cached = 0 if self.cache_empty else (len(prompt) - 1) // 128 * 128
@@ -67,11 +48,6 @@ class EngineStandIn:
         server = Served.__new__(Served)
         server.url, server.served_name = self.url, "tiny"
         return server
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
 
 class AdminStandIn:
     """kvtier serve's admin API as the slow-disk turn uses it: evictions done at once, each session's

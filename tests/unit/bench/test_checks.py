@@ -3,53 +3,28 @@ socket (a stand-in for vLLM's dev endpoint, which answers 200 with ``{"success":
 blocks are held): a refused reset is retried with an engine step between, never taken for done."""
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 from support.clock import FakeClock
+from support.standin import JsonStandIn
 
 from kvtier.bench.checks import FigureRefused, require, reset_served_prefix_cache
 
 
-class ResetStandIn:
+class ResetStandIn(JsonStandIn):
     """Refuses ``refusals`` resets, then accepts; records each path it was asked for."""
 
     def __init__(self, refusals: int, clock: FakeClock | None = None):
         self.refusals, self.paths, self.clock = refusals, [], clock
-        stand_in = self
+        super().__init__(self.reply)
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length)) if length else None
-                stand_in.paths.append((self.path, body))
-                if self.path == "/reset_prefix_cache":
-                    ok = stand_in.refusals <= 0
-                    stand_in.refusals -= 1
-                    reply = {"success": ok}
-                else:  # a completion: the engine stepped (time passes for a test's clock)
-                    if stand_in.clock is not None:
-                        stand_in.clock.advance(10)
-                    reply = {"choices": [{"text": "x"}]}
-                data = json.dumps(reply).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+    def reply(self, path: str, body, _headers) -> dict:
+        self.paths.append((path, body))
+        if path == "/reset_prefix_cache":
+            self.refusals -= 1
+            return {"success": self.refusals < 0}
+        if self.clock is not None:  # a completion: the engine stepped (time passes for a test's clock)
+            self.clock.advance(10)
+        return {"choices": [{"text": "x"}]}
 
 
 def test_a_refused_reset_is_retried_with_a_step_between_until_accepted():
