@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from kvtier.cli.bench import check_bench_dir
 from kvtier.cli.output import bench_progress, emit_bench, emit_json, handle_errors, print_table, run_vllm_bench
 
 __all__ = ["app"]
@@ -20,13 +21,6 @@ app = typer.Typer(help="The project's test rig (fault, power-cut, quality, scale
                   no_args_is_help=True, rich_markup_mode=None, add_completion=False,
                   pretty_exceptions_enable=False, context_settings={"help_option_names": ["-h", "--help"]})
 
-
-
-def _check_dir(directory: Optional[Path]) -> None:
-    if directory is not None and not directory.is_dir():
-        from kvtier.errors import UsageError
-
-        raise UsageError(f"{directory} is not a directory", hint="pass --dir an existing directory on the disk to test")
 
 
 @app.command("admin")
@@ -248,7 +242,7 @@ def bench_scale(
     blocks; catalogs of 10k-1M sessions; `kvtier sessions --json` and `kvtier top` with 100k sessions."""
     from benchmarks.scale import SCALE_KEYS, run_scale_bench
 
-    _check_dir(directory)
+    check_bench_dir(directory)
     results = run_scale_bench(quick=quick, progress=bench_progress(json_out),
                               directory=str(directory) if directory else None)
     emit_bench("python -m benchmarks scale", SCALE_KEYS, results, json_out)
@@ -272,7 +266,7 @@ def bench_memory(
     from benchmarks.memory import MEMORY_COLUMNS, MEMORY_KEYS, memory_rows, parse_sizes
     from benchmarks.memory_served import run_memory_bench
 
-    _check_dir(directory)
+    check_bench_dir(directory)
     chosen = parse_sizes(sizes)
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; stdout is for the results
         results = run_memory_bench(sizes=chosen or None, quick=quick, progress=bench_progress(json_out),

@@ -10,13 +10,13 @@ import typer
 
 from kvtier.cli.output import bench_progress, emit_bench, emit_json, handle_errors, print_table, run_vllm_bench
 
-__all__ = ["bench_app"]
+__all__ = ["bench_app", "check_bench_dir"]
 
 bench_app = typer.Typer(help="Benchmarks; every figure is a ratio against a same-process reference.",
                         no_args_is_help=True, rich_markup_mode=None)
 
 
-def _check_bench_dir(directory: Optional[Path]) -> None:
+def check_bench_dir(directory: Optional[Path]) -> None:
     if directory is not None and not directory.is_dir():
         from kvtier.errors import UsageError
 
@@ -33,7 +33,7 @@ def bench_tiers(
     """DRAM, NVMe, snapshot and index speed vs memcpy / raw direct IO."""
     from kvtier.bench.tiers import TIERS_KEYS, run_tiers_bench
 
-    _check_bench_dir(directory)
+    check_bench_dir(directory)
     results = run_tiers_bench(quick=quick, directory=str(directory) if directory else None,
                               progress=bench_progress(json_out))
     emit_bench("kvtier bench tiers", TIERS_KEYS, results, json_out)
@@ -68,7 +68,7 @@ def bench_codecs(
     """Codec encode/decode throughput vs memcpy, and NVMe restore per cold codec vs raw direct IO."""
     from kvtier.bench.codecs import codec_keys, run_codecs_bench
 
-    _check_bench_dir(directory)
+    check_bench_dir(directory)
     results = run_codecs_bench(quick=quick, directory=str(directory) if directory else None,
                                progress=bench_progress(json_out))
     emit_bench("kvtier bench codecs", codec_keys(), results, json_out)
