@@ -215,16 +215,16 @@ def run_local_load_latency(seconds: float, progress: Callable[[str], None]) -> d
             while not stop.is_set():
                 keys = chain_block_hashes(list(range(i * 4096, i * 4096 + 8 * 128)), 128)
                 with admin.lock:
-                    manager.record_session(f"s{i % 200}", ns, keys, 1024)
+                    manager.planner.record_session(f"s{i % 200}", ns, keys, 1024)
                     jobs = [manager.prepare_store(f"s{i % 200}", ns, keys, list(range(8)))] + manager.maintenance()
                 for job in filter(None, jobs):
-                    result = mover.run(job)
+                    result = mover.jobs.run(job)
                     with admin.lock:
                         manager.complete(result)
                 with admin.lock:
-                    job = manager.prepare_load(manager.lookup(ns, keys), list(range(8, 16)))
+                    job = manager.prepare_load(manager.table.lookup(ns, keys), list(range(8, 16)))
                 if job is not None:
-                    result = mover.run(job)
+                    result = mover.jobs.run(job)
                     with admin.lock:
                         manager.complete(result)
                 i += 1

@@ -144,8 +144,8 @@ catalog = Catalog({str(directory)!r}, fingerprint)
 manager = TierManager(fingerprint, 64 << 20, catalog=catalog)
 elapsed = (time.perf_counter() - started) * 1000
 started = time.perf_counter()
-manager.session_state_counts()  # the first `kvtier status`: splits every session's keys
-print(json.dumps([elapsed, (time.perf_counter() - started) * 1000, len(manager.sessions)]))
+manager.views.session_state_counts()  # the first `kvtier status`: splits every session's keys
+print(json.dumps([elapsed, (time.perf_counter() - started) * 1000, len(manager.table.sessions)]))
 """
     runs = []
     for _ in range(3):  # three cold starts, page cache dropped before each: this box is shared and noisy
@@ -191,7 +191,7 @@ def serving_overhead(model: str, base: Path, pairs: int, tokens: int, window: st
                 seconds[mode] += time.perf_counter() - started
             say(f"pair {pair + 1}/{pairs}: on {(pair + 1) * tokens / max(seconds['on'], 1e-9):,.0f}, "
                 f"off {(pair + 1) * tokens / max(seconds['off'], 1e-9):,.0f} prefill tokens/s so far")
-        counters = dict(engine.manager.counters)
+        counters = dict(engine.manager.telemetry.counters)
     finally:
         engine.close()
     on, off = pairs * tokens / seconds["on"], pairs * tokens / seconds["off"]

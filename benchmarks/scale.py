@@ -16,7 +16,7 @@ with what it handles (a per-block or per-session cost that stays flat).
    * memory: RSS after both halves started minus RSS of the same process with both started on an
      empty directory, per block (``ram_bytes_per_block_1m``): the locator, the planner's index, the
      catalog's sessions;
-   * a 1,024-block prefix lookup through ``TierManager.lookup`` (recency and policy updates included),
+   * a 1,024-block prefix lookup through ``BlockTable.lookup`` (recency and policy updates included),
      a different chain each time, so the index is not all in the CPU's cache (``lookup_1m_vs_10k``:
      the median of 1,001 at the largest size / at 10k, each size in its own processes; the same chain again, as
      ``kvtier bench tiers`` measures it, is ``_lookup_hot_1m_vs_10k``; a 10k-block manager taking
@@ -201,7 +201,7 @@ def _interleaved(sides: list[tuple[object, int]], reps: int, rng: random.Random)
             first = rng.randrange(0, blocks - chain + 1)
             keys = [block_key(i) for i in range(first, first + chain)]
             started = time.perf_counter()
-            rows = manager.lookup(namespace, keys)
+            rows = manager.table.lookup(namespace, keys)
             lookups[k].append(time.perf_counter() - started)
             if len(rows) != chain:
                 raise RuntimeError(f"a {chain}-block chain found {len(rows)} of its blocks")
@@ -238,7 +238,7 @@ def measure_store(root: Path, blocks: int, empty: Path, lookups: int = 1001, com
     del base
     store, catalog, manager, seconds, rss = _start(root, capacity)
     try:
-        found, indexed = len(store.locator), len(manager.index)
+        found, indexed = len(store.locator), len(manager.table.index)
         sides = [(manager, blocks)]
         if reference < blocks:  # built after every RSS figure was taken
             sides.append((_reference_manager(reference), reference))
@@ -248,7 +248,7 @@ def measure_store(root: Path, blocks: int, empty: Path, lookups: int = 1001, com
         hot = []
         for _ in range(201):  # the same chain again and again (kvtier bench tiers)
             started = time.perf_counter()
-            manager.lookup(namespace, keys)
+            manager.table.lookup(namespace, keys)
             hot.append(time.perf_counter() - started)
         journal = store.locator.journal
         compact = []
@@ -257,13 +257,13 @@ def measure_store(root: Path, blocks: int, empty: Path, lookups: int = 1001, com
             journal.rewrite(store.locator.journaled())
             compact.append(time.perf_counter() - started)
         out = {"blocks": blocks, "found": found, "indexed": indexed, "victims": len(manager.table.victims(Tier.NVME)),
-               "sessions": len(manager.sessions), "removed": store.removed_at_scan, **seconds,
+               "sessions": len(manager.table.sessions), "removed": store.removed_at_scan, **seconds,
                "startup_s": seconds["store_s"] + seconds["catalog_s"], "server_startup_s": sum(seconds.values()),
                "ram_bytes_per_block": (rss["all"] - rss_empty["all"]) / blocks,
                # the worker's part (the store: its locator); the rest is the scheduler's (index, sessions)
                "store_bytes_per_block": (rss["store"] - rss["before"] - rss_empty["store"]
                                          + rss_empty["before"]) / blocks,
-               "index_bytes_per_block": manager.index.memory_bytes() / blocks,
+               "index_bytes_per_block": manager.table.index.memory_bytes() / blocks,
                "lookup_s": statistics.median(cold[0]), "lookup_hot_s": statistics.median(hot),
                "victims_s": statistics.median(victims[0]), "compact_s": statistics.median(compact),
                "journal_bytes": journal.path.stat().st_size}
@@ -310,8 +310,8 @@ def measure_catalog(directory: Path) -> dict:
     manager = TierManager(fingerprint, DRAM_BYTES, catalog=catalog)
     elapsed = time.perf_counter() - started
     try:
-        return {"open_s": elapsed, "sessions": len(manager.sessions), "bad_rows": catalog.bad_rows,
-                "ram_bytes_per_session": (_rss() - rss) / max(1, len(manager.sessions))}
+        return {"open_s": elapsed, "sessions": len(manager.table.sessions), "bad_rows": catalog.bad_rows,
+                "ram_bytes_per_session": (_rss() - rss) / max(1, len(manager.table.sessions))}
     finally:
         catalog.close()
 

@@ -66,7 +66,7 @@ def run_client_ratios(url: str, sizes=(2 << 20, 256 << 10), total_bytes: int = 6
                 return put
 
             raw_put = plain_put(client)
-            packed_put = plain_put(store._call(lambda c: c))  # the tier's own client (its zero-copy packer)
+            packed_put = plain_put(store.client.call(lambda c: c))  # the tier's own client (its zero-copy packer)
 
             def tier_put() -> None:
                 for batch in batches:
@@ -132,7 +132,7 @@ def forge(kind: str, good: bytes, other_key_value: bytes, store, namespace: byte
         mac = sign(mac_key, bytes(header)) if mac_key else bytes(16)
         return bytes(header) + mac + payload
 
-    own = store._signing_key()
+    own = store.signer.signing_key()
     if kind == "random":
         return os.urandom(len(good))
     if kind == "truncated":
@@ -187,8 +187,9 @@ def run_foreign_values(url: str, per_kind: int = 45, progress: Callable[[str], N
         pipe = client.pipeline(transaction=False)
         for i, key in enumerate(keys):
             payload = os.urandom(geometry.block_bytes)
-            good, other = (store.encode_value(namespace, name, torch.frombuffer(bytearray(payload), dtype=torch.uint8),
-                                              "none", fingerprint.digest) for name in (key, os.urandom(32)))
+            value = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            good, other = (store.signer.encode_value(namespace, name, value, "none", fingerprint.digest)
+                           for name in (key, os.urandom(32)))
             pipe.set(block_key(namespace, key), forge(kind_of(i), good, other, store, namespace, key,
                                                      fingerprint.digest, payload), ex=600)
         pipe.execute()

@@ -130,7 +130,7 @@ def store_down(model: str, base: Path, server, requests: int, prompt_tokens: int
             else:
                 faulted[fault], failed = load(during=server.restart)
             failures += failed
-            warned = warned or "shared" in engine.manager.warnings
+            warned = warned or "shared" in engine.manager.telemetry.warnings
             progress(f"store {fault}: {failed} failed requests, step p99 "
                      f"{np.percentile(faulted[fault], 99) * 1e3:.1f} ms vs {np.percentile(up, 99) * 1e3:.1f} ms up")
             time.sleep(9)  # the back-off ends; the next healthy phase finds the store again

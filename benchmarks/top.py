@@ -45,8 +45,8 @@ def demo_admin(directory: Path, sessions: int, churn: bool = True):
             n = i % sessions
             tokens = list(range(n * 64, n * 64 + 32 + 16 * (i % 3)))
             with admin.lock:
-                engine.manager.record_session(f"session-{n:04d}", ns, chain_block_hashes(tokens, 16), len(tokens),
-                                              token_ids=tokens)
+                engine.manager.planner.record_session(f"session-{n:04d}", ns, chain_block_hashes(tokens, 16),
+                                                      len(tokens), token_ids=tokens)
             i += 7
 
     if churn:

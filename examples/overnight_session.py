@@ -74,7 +74,7 @@ def main() -> None:
     step("restore snapshot -> DRAM (verified)", lambda: morning.restore(snapshot))
     loaded, _ = step("load DRAM -> HBM", lambda: morning.load(namespace, keys, list(range(blocks))))
     same = all(torch.equal(a, b) for a, b in zip(hbm, original))
-    info = morning.manager.session_info("agent-42")
+    info = morning.manager.views.session_info("agent-42")
     morning.close()
     print(f"restored {loaded}/{blocks} blocks, bit-identical: {same}; session state: {info['state']}, "
           f"{human(info['bytes_dram'])} in DRAM")

@@ -68,7 +68,7 @@ class TierEngine:
                                    high_watermark, low_watermark, records, warm_codec, cold_codec,
                                    nvme_removed_at_start=self.nvme.removed_at_scan if self.nvme is not None else 0,
                                    catalog=self.catalog, cost=cost, wall_clock=wall_clock)
-        self.arena = DramArena.for_allocator(self.manager.slots)
+        self.arena = DramArena.for_allocator(self.manager.table.slots)
         adapter = adapter_for(layout, fingerprint.geometry) if kv_layers is not None else None
         shard = fingerprint.for_rank(rank) if fingerprint.shards > 1 else fingerprint
         self.shared = None  # the shared tier (another box's blocks, and this one's for them)
@@ -79,7 +79,7 @@ class TierEngine:
             from kvtier.tiers.shared.store import SharedStore
 
             self.shared = SharedStore(shared, rank)
-            self.manager.share_sessions()
+            self.manager.catalog_log.share_sessions()
             shared_kwargs = dict(shared=self.shared, shared_policy=shared.policy,
                                  shared_codec=resolve_codec(shared.codec, fingerprint.geometry, "shared"))
         self.mover = Mover(shard, self.arena, self.nvme, adapter, kv_layers, rank=rank, shards=fingerprint.shards,
@@ -87,11 +87,11 @@ class TierEngine:
 
     def execute(self, job: Job | None) -> JobResult | None:
         if job is None:  # slots freed without a job (a drop of DRAM-only blocks) are forgotten too
-            self.mover.forget_slots(self.manager.slots.drain_freed())
+            self.mover.ledger.forget(self.manager.table.slots.drain_freed())
             return None
-        result = self.mover.run(job)
+        result = self.mover.jobs.run(job)
         self.manager.complete(result)
-        self.mover.forget_slots(self.manager.slots.drain_freed())
+        self.mover.ledger.forget(self.manager.table.slots.drain_freed())
         return result
 
     def maintain(self, force: bool = False) -> None:
@@ -105,7 +105,7 @@ class TierEngine:
         """Store the session's blocks not yet held; returns how many were stored. ``token_ids`` (as
         vLLM's scheduler half records them) let a snapshot of the session be restored: a restore
         recomputes every key from them."""
-        self.manager.record_session(session_id, namespace, keys, num_tokens, token_ids=token_ids)
+        self.manager.planner.record_session(session_id, namespace, keys, num_tokens, token_ids=token_ids)
         stored = 0
         while True:
             job = self.manager.prepare_store(session_id, namespace, keys, device_blocks)
@@ -113,17 +113,17 @@ class TierEngine:
             if job is None or result is None:
                 break
             stored += len(job.moves) - len(result.failed_positions(job))
-            before = self.manager.slots.free_slots
-            self.maintain(force=self.manager.slots.free_slots == 0)
-            if self.manager.slots.free_slots <= before:  # no room could be made: store no more
+            before = self.manager.table.slots.free_slots
+            self.maintain(force=self.manager.table.slots.free_slots == 0)
+            if self.manager.table.slots.free_slots <= before:  # no room could be made: store no more
                 break
-        if self.manager.sessions[session_id].pinned is not None and self.nvme is not None:
-            self.execute(self.manager.flush(session_id))  # a pinned session is written through
+        if self.manager.table.sessions[session_id].pinned is not None and self.nvme is not None:
+            self.execute(self.manager.pressure.flush(session_id))  # a pinned session is written through
         return stored
 
     def load(self, namespace: bytes, keys: Sequence[bytes], device_blocks: Sequence[int]) -> int:
         """Load the longest stored prefix of ``keys`` into HBM blocks; returns blocks loaded."""
-        rows = self.manager.lookup(namespace, keys)
+        rows = self.manager.table.lookup(namespace, keys)
         job = self.manager.prepare_load(rows, device_blocks[: len(rows)])
         result = self.execute(job)
         if job is None or result is None:
@@ -140,13 +140,13 @@ class TierEngine:
 
         if self.shared is None:
             return 0
-        have = len(self.manager.peek(namespace, keys))
+        have = len(self.manager.table.peek(namespace, keys))
         try:
-            sizes = self.shared.lengths(namespace, keys[have:], self.fingerprint.shards)
+            sizes = self.shared.blocks.lengths(namespace, keys[have:], self.fingerprint.shards)
         except SharedUnavailable:
             return 0
-        found = self.shared.stored_prefix(sizes)
-        job = self.manager.prepare_fetch(namespace, keys[have : have + found], sizes[:found], tier, start=have)
+        found = self.shared.blocks.stored_prefix(sizes)
+        job = self.manager.planner.prepare_fetch(namespace, keys[have : have + found], sizes[:found], tier, start=have)
         result = self.execute(job)
         if job is None or result is None:
             return 0
@@ -160,58 +160,58 @@ class TierEngine:
         if self.shared is None or self.mover.publisher is None:
             return 0
         self.mover.publisher.drain(timeout)
-        entries = self.manager.shared_batch(self.box)
+        entries = self.manager.catalog_log.shared_batch(self.box)
         try:
-            return self.shared.publish_sessions(self.fingerprint.digest, entries)
+            return self.shared.sessions.publish_sessions(self.fingerprint.digest, entries)
         except SharedUnavailable:
-            self.manager.requeue_shared(e["session_id"] for e in entries)
+            self.manager.catalog_log.requeue_shared(e["session_id"] for e in entries)
             return 0
 
     # ---- operator actions ---------------------------------------------------------------------
     def pin(self, session_id: str, tier: Tier = Tier.DRAM, for_s: float | None = None) -> None:
-        self.execute(self.manager.pin(session_id, tier, for_s))
+        self.execute(self.manager.planner.pin(session_id, tier, for_s))
         self.maintain()
-        self.manager.sync_catalog()
+        self.manager.catalog_log.sync_catalog()
 
     def unpin(self, session_id: str) -> None:
-        self.manager.unpin(session_id)
-        self.manager.sync_catalog()
+        self.manager.planner.unpin(session_id)
+        self.manager.catalog_log.sync_catalog()
 
     def evict(self, session_id: str, to: Tier | None) -> None:
-        self.execute(self.manager.evict(session_id, to))
-        self.manager.sync_catalog()
+        self.execute(self.manager.planner.evict(session_id, to))
+        self.manager.catalog_log.sync_catalog()
 
     def flush(self, session_id: str | None = None) -> JobResult | None:
         """Copy DRAM-only blocks (all, or one session's) to NVMe now."""
-        return self.execute(self.manager.flush(session_id))
+        return self.execute(self.manager.pressure.flush(session_id))
 
     def write_behind(self, max_age_s: float = 0.0, max_blocks: int = 1 << 30) -> int:
         """The worker's write-behind step: DRAM-only blocks at least ``max_age_s`` old get an NVMe
         copy. Returns how many were written."""
         if self.nvme is not None:
             self.nvme.check_present()
-        written, error = self.mover.write_behind(max_age_s, max_blocks, self.manager.cold_codec)
-        self.execute(self.manager.note_written_behind(written, error, self.mover.take_recreated()))
+        written, error = self.mover.behind.write_behind(max_age_s, max_blocks, self.manager.table.cold_codec)
+        self.execute(self.manager.pressure.note_written_behind(written, error, self.mover.disk_moves.take_recreated()))
         return len(written)
 
     def snapshot(self, session_id: str, path: str | Path) -> JobResult:
-        return self.execute(self.manager.prepare_snapshot(session_id, str(path)))
+        return self.execute(self.manager.planner.prepare_snapshot(session_id, str(path)))
 
     def restore(self, path: str | Path, tier: Tier = Tier.DRAM) -> JobResult | None:
         from kvtier.persist.snapshot import open_snapshot
 
-        result = self.execute(self.manager.prepare_restore(open_snapshot(path), tier))
-        self.manager.sync_catalog()
+        result = self.execute(self.manager.planner.prepare_restore(open_snapshot(path), tier))
+        self.manager.catalog_log.sync_catalog()
         return result
 
     def close(self, write_back: bool = True) -> None:
         """Stop; with ``write_back``, DRAM-only blocks go to the NVMe tier first (a restart finds them)."""
         self.mover.close()
         if write_back:
-            self.mover.forget_slots(self.manager.slots.drain_freed())
-            self.mover.write_back(self.manager.cold_codec)
+            self.mover.ledger.forget(self.manager.table.slots.drain_freed())
+            self.mover.behind.write_back(self.manager.table.cold_codec)
         if self.catalog is not None:
-            self.manager.sync_catalog()
+            self.manager.catalog_log.sync_catalog()
             self.catalog.close()
         if self.nvme is not None:
             self.nvme.close()

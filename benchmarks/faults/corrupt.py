@@ -193,7 +193,7 @@ def run_corruption_trials(trials: int = 1000, seed: int = 0, directory: Path | N
             try:
                 if kind == "block":
                     keys = next(k for k in sessions if record.key in k)
-                    counters = world.engine.manager.counters
+                    counters = world.engine.manager.telemetry.counters
                     loaded, wrong = world.load_and_check(keys)
                     # a damaged file is dropped at start (wrong size) or at its first read (checksums)
                     dropped = counters["nvme_failed_reads"] + counters["nvme_removed_at_start"]

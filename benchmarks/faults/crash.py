@@ -76,7 +76,7 @@ def _crash_child(root: str, seed: int, fd: int) -> None:
         elif op == "evict":
             sid = rng.choice(list(sessions))
             with contextlib.suppress(Exception):  # pinned, shared or already gone: not this test's subject
-                engine.execute(engine.manager.evict(sid, Tier.NVME))
+                engine.execute(engine.manager.planner.evict(sid, Tier.NVME))
         elif op == "snapshot":
             sid = rng.choice(list(sessions))
             path = world.snapshots / f"s{seed}-{step}.kvsnap"
@@ -97,7 +97,7 @@ def _crash_child(root: str, seed: int, fd: int) -> None:
         elif op == "drop":
             sid = rng.choice(list(sessions))
             with contextlib.suppress(Exception):
-                engine.execute(engine.manager.evict(sid, None))
+                engine.execute(engine.manager.planner.evict(sid, None))
             sessions.pop(sid, None)
 
 
@@ -120,7 +120,7 @@ def _verify_after_restart(root: Path, acked_nvme: set[bytes], acked_snaps: set[s
             device = list(range(len(batch)))
             world.scrub(device)
             job = world.engine.manager.prepare_load(
-                [world.engine.manager.index.row_of(world.ns, k) for k in batch], device)
+                [world.engine.manager.table.index.row_of(world.ns, k) for k in batch], device)
             result = world.engine.execute(job)
             good = [i for i in range(len(batch)) if i not in set(result.failed or ())] if result.ok or result.failed \
                 else []

@@ -113,7 +113,7 @@ def run_pressure(sessions: int = 1000, dram_blocks: int = 64, seed: int = 0, dir
         gc.collect()
         rss_ready = _rss_bytes()
         engine = world.engine
-        slots = engine.manager.slots
+        slots = engine.manager.table.slots
         budget = dram_blocks * world.geometry.block_bytes
         arena_bytes = engine.arena.buffer.numel()  # the DRAM tier's memory, allocated once
         peak_slots = 0
@@ -137,12 +137,12 @@ def run_pressure(sessions: int = 1000, dram_blocks: int = 64, seed: int = 0, dir
                 progress(f"pressure: {i + 1}/{sessions} sessions, DRAM peak {peak_slots}/{slots.num_slots} slots")
         gc.collect()
         rss_after = _rss_bytes()
-        index_bytes = engine.manager.index.memory_bytes()
+        index_bytes = engine.manager.table.index.memory_bytes()
         out.update(_dram_budget_bytes=budget, _dram_peak_bytes=peak_slots * slots.slot_bytes,
                    _dram_arena_bytes=int(arena_bytes), _rss_engine_start_bytes=rss_ready - rss_before,
                    _rss_churn_growth_bytes=rss_after - rss_ready,
-                   _index_bytes=index_bytes, _blocks_indexed=len(engine.manager.index),
-                   _nvme_blocks=engine.manager.stats()["nvme"]["blocks"])
+                   _index_bytes=index_bytes, _blocks_indexed=len(engine.manager.table.index),
+                   _nvme_blocks=engine.manager.views.stats()["nvme"]["blocks"])
         world.close()
     return out
 

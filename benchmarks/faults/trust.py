@@ -241,7 +241,7 @@ def run_poisoning(attempts: int = 240, refused_restores: int = 1000, seed: int =
             tokens = _tokens(1, 4)
             keys = chain_block_hashes(tokens, SHAPE[3])
             world.put(keys, range(4))
-            world.engine.manager.record_session("victim", world.ns, keys, len(tokens), token_ids=tokens)
+            world.engine.manager.planner.record_session("victim", world.ns, keys, len(tokens), token_ids=tokens)
             world.engine.store("victim", world.ns, keys, [0, 1, 2, 3], len(tokens))
             genuine = Path(client.wait(client.post("/v1/sessions/victim/snapshot", {}))["path"])
             data = genuine.read_bytes()
@@ -290,7 +290,8 @@ def run_poisoning(attempts: int = 240, refused_restores: int = 1000, seed: int =
             manager = world.engine.manager
 
             def usage() -> tuple:
-                return manager.slots.free_slots, len(manager.index), manager.nvme_used, len(manager.sessions)
+                table = manager.table
+                return table.slots.free_slots, len(table.index), table.nvme.used, len(table.sessions)
 
             before = usage()
             for i in range(refused_restores):

@@ -90,7 +90,7 @@ class World:
     def visible_nvme_keys(self) -> set[bytes]:
         from kvtier.plan.index import IN_NVME, PENDING
 
-        index = self.engine.manager.index
+        index = self.engine.manager.table.index
         flags = index.col["flags"]
         return {index.key_of(r)[1] for r in range(len(index._keys))
                 if index._keys[r] is not None and flags[r] & IN_NVME and not flags[r] & PENDING}

@@ -171,7 +171,8 @@ def _load_all(world, keys: list[bytes]) -> tuple[list[bytes], set[bytes]]:
         batch = keys[start : start + HBM_BLOCKS]
         device = list(range(len(batch)))
         world.scrub(device)
-        result = world.engine.execute(manager.prepare_load([manager.index.row_of(world.ns, k) for k in batch], device))
+        rows = [manager.table.index.row_of(world.ns, k) for k in batch]
+        result = world.engine.execute(manager.prepare_load(rows, device))
         failed = set(result.failed or ()) if result is not None and (result.ok or result.failed) \
             else set(range(len(batch)))
         unreadable |= {batch[i] for i in failed}

@@ -174,25 +174,25 @@ def run_model_needle(lengths: Sequence[int], haystacks: int, codecs: Sequence[st
                     _wait_stored(engine, stack.tokens, length // block)
                     session = anonymous_session(manager.block_keys(stack.tokens[:block], None)[0])
                     snap = Path(tmp) / f"h{length}-{h}.kvsnap"
-                    _run_job(engine, manager.prepare_snapshot(session, str(snap)))
+                    _run_job(engine, manager.planner.prepare_snapshot(session, str(snap)))
                     for which in range(len(DEPTHS)):
                         _tally(hits["direct"][length], _ask(engine, stack, which))
                     progress(f"{length_label(length)} haystack {h + 1}/{haystacks}: prefilled in "
                              f"{time.perf_counter() - t0:.1f} s, direct {hits['direct'][length]}")
                     for spec in codecs:
-                        _run_job(engine, manager.evict(session, None))
+                        _run_job(engine, manager.planner.evict(session, None))
                         engine.forget_hbm()
-                        _run_job(engine, manager.prepare_restore(open_snapshot(snap)))
-                        manager.cold_codec = resolve_codec(spec, manager.geometry, "cold")
-                        _run_job(engine, manager.evict(session, Tier.NVME))
+                        _run_job(engine, manager.planner.prepare_restore(open_snapshot(snap)))
+                        manager.table.cold_codec = resolve_codec(spec, manager.geometry, "cold")
+                        _run_job(engine, manager.planner.evict(session, Tier.NVME))
                         engine.forget_hbm()
-                        before = manager.counters.get("hit_nvme_blocks", 0)
+                        before = manager.telemetry.counters.get("hit_nvme_blocks", 0)
                         for which in range(len(DEPTHS)):
                             _tally(hits[spec][length], _ask(engine, stack, which))
-                        loaded[spec][0] += manager.counters.get("hit_nvme_blocks", 0) - before
+                        loaded[spec][0] += manager.telemetry.counters.get("hit_nvme_blocks", 0) - before
                         loaded[spec][1] += length // block
                     snap.unlink()
-                    _run_job(engine, manager.evict(session, None))
+                    _run_job(engine, manager.planner.evict(session, None))
                     engine.forget_hbm()
                 summary = ", ".join(f"{c} {hits[c][length][0]}/{hits[c][length][1]}" for c in hits)
                 progress(f"{length_label(length)}: {summary}")
@@ -246,7 +246,7 @@ def _wait_stored(engine, tokens: list[int], blocks: int, timeout_s: float = 120.
     keys = manager.block_keys(tokens[: blocks * manager.geometry.block_tokens], None)
     namespace = namespace_of(manager.fingerprint.digest)
     deadline = time.monotonic() + timeout_s
-    while len(manager.peek(namespace, keys)) < blocks:
+    while len(manager.table.peek(namespace, keys)) < blocks:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the haystack's {blocks} blocks were not stored in {timeout_s:.0f} s")
         engine.generate([7, 8, 9], 1)

@@ -53,8 +53,8 @@ def _kl(reference: dict[int, float], other: dict[int, float]) -> float:
 
 
 def _drop_all(engine) -> None:
-    for session in list(engine.manager.sessions):
-        job = engine.manager.evict(session, None)
+    for session in list(engine.manager.table.sessions):
+        job = engine.manager.planner.evict(session, None)
         if job is not None:
             engine.run_job(job)
     engine.forget_hbm()
@@ -63,8 +63,8 @@ def _drop_all(engine) -> None:
 def _evict_all_to_nvme(engine) -> None:
     from kvtier.plan.index import Tier
 
-    for session in list(engine.manager.sessions):
-        job = engine.manager.evict(session, Tier.NVME)
+    for session in list(engine.manager.table.sessions):
+        job = engine.manager.planner.evict(session, Tier.NVME)
         if job is not None:
             engine.run_job(job)
     engine.forget_hbm()
@@ -112,13 +112,13 @@ def run_vllm_quality(codecs, quick: bool = False, progress: Callable[[str], None
             for spec in codecs:
                 progress(f"vLLM: prompts restored through codec {spec}")
                 _drop_all(engine)
-                engine.manager.cold_codec = resolve_codec(spec, engine.manager.geometry, "cold")
+                engine.manager.table.cold_codec = resolve_codec(spec, engine.manager.geometry, "cold")
                 for p in prompts:  # prefill again: raw blocks in DRAM
                     engine.generate(p, 1)
                 _evict_all_to_nvme(engine)  # re-encoded by the codec on the way to NVMe
-                before = engine.manager.counters.get("hit_nvme_blocks", 0)
+                before = engine.manager.telemetry.counters.get("hit_nvme_blocks", 0)
                 got = [_distributions(engine.generate(p, STEPS, logprobs=vocab)) for p in prompts]
-                loaded = engine.manager.counters.get("hit_nvme_blocks", 0) - before
+                loaded = engine.manager.telemetry.counters.get("hit_nvme_blocks", 0) - before
                 positions, agree, kl = _compare(reference, got)
                 results[spec] = {"top1_agreement": agree / positions, "kl": kl / positions,
                                  "_positions": positions, "_nvme_blocks_loaded": loaded}

@@ -103,29 +103,36 @@ def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Calla
         results["_prefill_model"] = cost.report()["prefill"]
         engine.close()
 
-        # capped link: loading this session would take ~3x its recompute
-        n = lengths[1] if size == "tiny" else lengths[0]
-        fitted = cost.prefill
-        geometry_bytes = cost.dram_block_bytes / cost.block_tokens  # bytes per token
-        cap = geometry_bytes * n / (3 * results[f"_recompute_{n}_s"]) / 1e9
-        progress(f"capped link: pcie={cap:.5f} GB/s, {n} tokens")
-        capped = Engine(model, kvtier=True, nvme_dir=Path(tmp) / "nvme-capped", max_len=max(lengths) + 256,
-                        extra={"link_gbps": f"pcie={cap:.6f}"})
-        for seed, m in ((1, 64), (2, 512)):
-            capped.timed(_prompt(seed, m))
-        capped.connector._scheduler.cost.prefill = fitted
-        prompt = _prompt(300, n)
-        plain, _ = capped.timed(prompt)
-        capped.forget_hbm()
-        again, out = capped.timed(prompt)
-        counters = dict(capped.manager.counters)
-        capped.close()
+        capped = _capped_link(model, Path(tmp) / "nvme-capped", lengths, size, cost, results, progress)
     results["max_rel_error_restore"] = max(errors_restore)
     results["max_rel_error_recompute"] = max(errors_recompute)
-    results["capped_link_ttft_vs_recompute"] = again / plain
-    results.update(_capped_gbps=cap, _capped_plain_s=plain, _capped_again_s=again,
-                   _capped_loaded_tokens=(out.kv_transfer_params or {}).get("kvtier", {}).get("loaded_tokens", 0),
-                   _capped_decisions={k: v for k, v in counters.items() if k.startswith("decision_")},
-                   _capped_store_skipped_blocks=counters.get("store_skipped_blocks", 0), _capped_tokens=n,
-                   _model=size, _lengths=list(lengths))
+    results.update(capped, _model=size, _lengths=list(lengths))
     return results
+
+
+def _capped_link(model: str, nvme_dir: Path, lengths: tuple[int, ...], size: str, cost, results: dict,
+                 progress: Callable[[str], None]) -> dict:
+    """Step 3: an engine whose link is capped so that loading this session would take ~3x its recompute."""
+    from kvtier.bench.harness import Engine
+
+    n = lengths[1] if size == "tiny" else lengths[0]
+    fitted = cost.prefill
+    geometry_bytes = cost.dram_block_bytes / cost.block_tokens  # bytes per token
+    cap = geometry_bytes * n / (3 * results[f"_recompute_{n}_s"]) / 1e9
+    progress(f"capped link: pcie={cap:.5f} GB/s, {n} tokens")
+    capped = Engine(model, kvtier=True, nvme_dir=nvme_dir, max_len=max(lengths) + 256,
+                    extra={"link_gbps": f"pcie={cap:.6f}"})
+    for seed, m in ((1, 64), (2, 512)):
+        capped.timed(_prompt(seed, m))
+    capped.connector._scheduler.cost.prefill = fitted
+    prompt = _prompt(300, n)
+    plain, _ = capped.timed(prompt)
+    capped.forget_hbm()
+    again, out = capped.timed(prompt)
+    counters = dict(capped.manager.telemetry.counters)
+    capped.close()
+    return {"capped_link_ttft_vs_recompute": again / plain, "_capped_gbps": cap, "_capped_plain_s": plain,
+            "_capped_again_s": again,
+            "_capped_loaded_tokens": (out.kv_transfer_params or {}).get("kvtier", {}).get("loaded_tokens", 0),
+            "_capped_decisions": {k: v for k, v in counters.items() if k.startswith("decision_")},
+            "_capped_store_skipped_blocks": counters.get("store_skipped_blocks", 0), "_capped_tokens": n}

@@ -89,7 +89,7 @@ class Engine:
         while True:
             self.generate([7, 8, 9], 1)
             with self.connector._scheduler.lock:
-                if job.job_id not in self.manager.jobs:
+                if job.job_id not in self.manager.jobbook.jobs:
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kvtier job {job.job_id} ({job.kind.value}) did not finish in {timeout_s:.0f} s")

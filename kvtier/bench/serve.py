@@ -198,14 +198,14 @@ def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print
         decode_tiered = _decode_rate(tiered, 30, decode_tokens)
         decode_wall = time.perf_counter() - started
         decode_share = (tiered.connector.step_seconds + _connector_seconds() - spent) / decode_wall
-        for session in list(tiered.manager.sessions):
-            tiered.run_job(tiered.manager.evict(session, Tier.NVME))
+        for session in list(tiered.manager.table.sessions):
+            tiered.run_job(tiered.manager.planner.evict(session, Tier.NVME))
         tiered.forget_hbm()
         restored = {}
         for i, (name, n) in enumerate(sizes.items()):
             _drop_page_cache(Path(tmp))
             restored[name] = tiered.timed(_prompt(10 + i, n))[0]
-        counters = dict(tiered.manager.counters)
+        counters = dict(tiered.manager.telemetry.counters)
         syncs = tiered.worker.step_syncs
         tiered.close()
 

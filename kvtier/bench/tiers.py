@@ -259,12 +259,12 @@ def bench_index(num_blocks: int) -> dict:
     # Lookup through the manager (recency and policy updates included), on that big index.
     geometry = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=64, block_tokens=16)
     manager = TierManager(ModelFingerprint("bench", geometry), dram_bytes=1 << 20)
-    manager.index = index
+    manager.table.index = index
     prefix = keys[num_blocks // 2 : num_blocks // 2 + 1024]
     samples = []
     for _ in range(50):
         start = time.perf_counter()
-        rows = manager.lookup(namespace, prefix)
+        rows = manager.table.lookup(namespace, prefix)
         samples.append(time.perf_counter() - start)
     assert len(rows) == len(prefix)
     return {"lookup_1024_blocks_ms": statistics.median(samples) * 1e3, "index_bytes_per_block": per_block}

@@ -51,14 +51,15 @@ def _until_clean(ops: "Ops", query: dict) -> None:
         raise ApiError(400, "wait_s must be a number of seconds", hint="for example wait_s=30") from None
     if not 0 <= wait_s <= MAX_WAIT_S:
         raise ApiError(400, f"wait_s must be between 0 and {MAX_WAIT_S:.0f}", hint="for example wait_s=30")
-    ops.wait_for(lambda: not any(ops.manager.dirty_stats()[k] for k in ("dirty_blocks", "storing_blocks")), wait_s)
+    views = ops.manager.views
+    ops.wait_for(lambda: not any(views.dirty_stats()[k] for k in ("dirty_blocks", "storing_blocks")), wait_s)
 
 
 def _status(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
     _until_clean(ops, query)
     with ops.lock:
-        stats = ops.manager.stats()
-        states = ops.manager.session_state_counts()
+        stats = ops.manager.views.stats()
+        states = ops.manager.views.session_state_counts()
         in_flight = sum(1 for r in ops.jobs.values() if r.state in ("queued", "running"))
         tiers = _tier_view(stats, ops)
         links = ops.link_bytes()
@@ -75,10 +76,10 @@ def _status(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
 
 def _catalog_view(ops: "Ops") -> dict | None:
     """Called under the lock."""
-    catalog = getattr(ops.manager, "catalog", None)
+    catalog = ops.manager.catalog_log.catalog
     if catalog is None:
         return None
-    counters = ops.manager.counters
+    counters = ops.manager.telemetry.counters
     return {"path": str(catalog.path), "sessions_at_start": counters.get("catalog_sessions_at_start", 0),
             "start_ms": counters.get("catalog_start_ms", 0), "writes": counters.get("catalog_writes", 0)}
 
@@ -90,7 +91,7 @@ def _tier_view(stats: dict, ops: "Ops") -> dict:
 
 def _tiers(ops: "Ops", **_) -> tuple[int, dict]:
     with ops.lock:
-        return 200, _tier_view(ops.manager.stats(), ops)
+        return 200, _tier_view(ops.manager.views.stats(), ops)
 
 
 def _sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
@@ -116,7 +117,7 @@ def _sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
 def _session_view(ops: "Ops", session_id: str) -> dict:
     """One session, with its last turns (oldest first): what each found, loaded, and why not more
     (``kvtier.plan.reasons``). Called under the lock."""
-    info = _decorate(ops, ops.manager.session_info(session_id))
+    info = _decorate(ops, ops.manager.views.session_info(session_id))
     info["turns"] = ops.manager.turns.to_dicts(info["session_id"])
     return info
 
@@ -124,7 +125,7 @@ def _session_view(ops: "Ops", session_id: str) -> dict:
 def _decorate(ops: "Ops", info: dict) -> dict:
     info["job"] = ops.busy.get(info["session_id"])
     info["stored_note"] = _stored_note(ops, info)
-    info["codec_dram"], info["codec_nvme"] = ops.manager.warm_codec, ops.manager.cold_codec
+    info["codec_dram"], info["codec_nvme"] = ops.manager.table.warm_codec, ops.manager.table.cold_codec
     info["restore_s"] = info["recompute_s"] = info["decision"] = None
     cost = ops.cost
     if cost is not None and cost.prefill is not None and info["tokens"]:
@@ -140,8 +141,8 @@ def _stored_note(ops: "Ops", info: dict) -> str | None:
         return None  # the common row pays nothing more
     manager = ops.manager
     last = manager.turns.last(info["session_id"])
-    session = manager.sessions.get(info["session_id"])
-    dropped = manager.drops.find(session.namespace, session.keys[0]) if session is not None and session.keys \
+    session = manager.table.sessions.get(info["session_id"])
+    dropped = manager.table.drops.find(session.namespace, session.keys[0]) if session is not None and session.keys \
         else None
     break_even = ops.cost.break_even_tokens(from_nvme=False) if ops.cost is not None else None
     return stored_note(info, manager.geometry.block_tokens, last is not None and last.store_skipped, break_even,
@@ -185,7 +186,7 @@ def _write(ops: "Ops", kind: str, session: str | None, plan, hold: int | None = 
     try:
         with ops.lock:
             if session is not None:
-                ops.manager.session(session)  # 404 before 409
+                ops.manager.table.session(session)  # 404 before 409
                 ops._check_free(session)
             record = ops._submit(kind, session, plan())
             if detail is not None:
@@ -195,7 +196,7 @@ def _write(ops: "Ops", kind: str, session: str | None, plan, hold: int | None = 
     finally:
         if hold is not None:
             os.close(hold)
-    ops.manager.sync_catalog(ops.lock)  # a pin (or a drop) is in the session catalog before the answer
+    ops.manager.catalog_log.sync_catalog(ops.lock)  # a pin (or a drop) is in the session catalog before the answer
     if record.state == "queued":
         ops.wake()
     return 202, record.to_dict()
@@ -217,19 +218,19 @@ def _pin_seconds(value: Any) -> float | None:
 def _pin(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
     tier = _tier(body.get("tier", "dram"), "tier", _TIERS)
     for_s = _pin_seconds(body.get("for_s"))
-    return _write(ops, "pin", session, lambda: ops.manager.pin(session, tier, for_s),
-                  detail=lambda: {"pin_expires_at": ops.manager.session(session).pin_expires})
+    return _write(ops, "pin", session, lambda: ops.manager.planner.pin(session, tier, for_s),
+                  detail=lambda: {"pin_expires_at": ops.manager.table.session(session).pin_expires})
 
 
 def _unpin(ops: "Ops", session: str, **_) -> tuple[int, dict]:
-    return _write(ops, "unpin", session, lambda: ops.manager.unpin(session))
+    return _write(ops, "unpin", session, lambda: ops.manager.planner.unpin(session))
 
 
 def _evict(ops: "Ops", session: str, body: dict, **_) -> tuple[int, dict]:
     to = _tier(body.get("to"), "to", {"dram": Tier.DRAM, "nvme": Tier.NVME, "drop": None})
     if to == Tier.DRAM:  # kvtier writes through: a session's blocks are in DRAM unless demoted
-        return _write(ops, "evict", session, lambda: ops.manager.promote(session))
-    return _write(ops, "evict", session, lambda: ops.manager.evict(session, to))
+        return _write(ops, "evict", session, lambda: ops.manager.planner.promote(session))
+    return _write(ops, "evict", session, lambda: ops.manager.planner.evict(session, to))
 
 
 def _handed(body: dict, fds: list[int], writable: bool) -> int | None:
@@ -269,8 +270,8 @@ def _snapshot(ops: "Ops", session: str, body: dict, fds: list[int], **_) -> tupl
             raise ApiError(400, "a tensor-parallel snapshot is one file per rank: it cannot be written to a "
                                 "handed-over file", hint="snapshot into the server's snapshot directory (no --out)")
         path = _adopt(fds, handed)
-        return _write(ops, "snapshot", session, lambda: ops.manager.prepare_snapshot(session, path, in_place=True),
-                      hold=handed)
+        return _write(ops, "snapshot", session,
+                      lambda: ops.manager.planner.prepare_snapshot(session, path, in_place=True), hold=handed)
     path = resolve_snapshot_path(ops, body.get("path"), session)
     from kvtier.persist.snapshot import overwrite_refusal
 
@@ -282,7 +283,7 @@ def _snapshot(ops: "Ops", session: str, body: dict, fds: list[int], **_) -> tupl
             path.parent.mkdir(parents=True, exist_ok=True)
         else:
             raise ApiError(400, f"directory {path.parent} does not exist", hint="create it first")
-    return _write(ops, "snapshot", session, lambda: ops.manager.prepare_snapshot(session, str(path)))
+    return _write(ops, "snapshot", session, lambda: ops.manager.planner.prepare_snapshot(session, str(path)))
 
 
 def _cache_salt(body: dict) -> str | None:
@@ -320,10 +321,10 @@ def _restore_file(ops: "Ops", path: Path, tier, salt, trust_unsigned: bool, hand
 
     # validates the whole header (SnapshotError -> 400 with a hint), no longer than a session here can
     # need, and its signature: only snapshots signed by a trusted key restore unless the operator says so
-    info = open_snapshot(path, ops.manager.max_snapshot_header(), trusted_keys=load_keys())
+    info = open_snapshot(path, ops.manager.planner.max_snapshot_header(), trusted_keys=load_keys())
     if not info.signed and not trust_unsigned:
         with ops.lock:
-            ops.manager.count("restores_refused_unsigned")
+            ops.manager.telemetry.count("restores_refused_unsigned")
         raise ApiError(400, f"snapshot {path} is not signed by a key this server trusts",
                        hint=f"snapshots of other boxes: add their key to {keys_file()}; or, if you trust this "
                             "file, restore it with --trust-unsigned")
@@ -332,12 +333,12 @@ def _restore_file(ops: "Ops", path: Path, tier, salt, trust_unsigned: bool, hand
         # keys recomputed from the file's token ids, the namespace this engine's own: nothing the
         # file says decides where its KV goes (refused files take no slot, row or NVMe byte)
         record = ops._submit("restore", info.session_id,
-                             ops.manager.prepare_restore(info, tier, salt, require_signed=not trust_unsigned))
+                             ops.manager.planner.prepare_restore(info, tier, salt, require_signed=not trust_unsigned))
         if handed is not None and record.state == "queued":  # the worker reads it: open until the job ends
             ops.held_fds[record.job_id], handed = handed, None
     if handed is not None:
         os.close(handed)
-    ops.manager.sync_catalog(ops.lock)
+    ops.manager.catalog_log.sync_catalog(ops.lock)
     if record.state == "queued":
         ops.wake()
     return 202, record.to_dict()
@@ -347,7 +348,7 @@ def _flush(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
     session = body.get("session")
     if session is not None:
         session = validate_session_id(session)
-    return _write(ops, "flush", session, lambda: ops.manager.flush(session))
+    return _write(ops, "flush", session, lambda: ops.manager.pressure.flush(session))
 
 
 def _costmodel(ops: "Ops", **_) -> tuple[int, dict]:
@@ -378,14 +379,14 @@ def _shared_sessions(ops: "Ops", query: dict, **_) -> tuple[int, dict]:
     except ValueError:
         raise ApiError(400, "limit must be a whole number", hint="e.g. ?limit=100") from None
     try:
-        entries = shared.store.list_sessions(ops.manager.fingerprint.digest, max(1, min(limit, 100_000)))
+        entries = shared.store.sessions.list_sessions(ops.manager.fingerprint.digest, max(1, min(limit, 100_000)))
     except SharedUnavailable as exc:
         raise ApiError(503, str(exc), hint="the shared store is down or refusing us; kvtier status says why") from None
     with ops.lock:
-        local = ops.manager.sessions
+        local = ops.manager.table.sessions
         for entry in entries:
             entry["here"] = entry["session_id"] in local
-    return 200, {"url": shared.store.url, "sessions": entries}
+    return 200, {"url": shared.store.client.url, "sessions": entries}
 
 
 def _shared_restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
@@ -400,23 +401,24 @@ def _shared_restore(ops: "Ops", body: dict, **_) -> tuple[int, dict]:
     salt = _cache_salt(body)
     manager = ops.manager
     try:
-        entry = shared.store.session_entry(manager.fingerprint.digest, session)
+        entry = shared.store.sessions.session_entry(manager.fingerprint.digest, session)
         if entry is None:
-            raise NotFoundError(f"no session {session!r} in the shared store {shared.store.url}",
+            raise NotFoundError(f"no session {session!r} in the shared store {shared.store.client.url}",
                                 hint="`kvtier sessions --shared` lists what the boxes published (entries expire)")
-        namespace, keys = manager.shared_entry_keys(entry, salt)
-        sizes = shared.store.lengths(namespace, keys, manager.fingerprint.shards)
+        namespace, keys = manager.planner.shared_entry_keys(entry, salt)
+        sizes = shared.store.blocks.lengths(namespace, keys, manager.fingerprint.shards)
     except SharedUnavailable as exc:
         raise ApiError(503, str(exc), hint="the shared store is down or refusing us; kvtier status says why") from None
-    found = shared.store.stored_prefix(sizes)
+    found = shared.store.blocks.stored_prefix(sizes)
     with ops.lock:
         ops._check_free(session)
-        manager.record_session(session, namespace, keys, int(entry.get("num_tokens") or 0),
+        planner = manager.planner
+        planner.record_session(session, namespace, keys, int(entry.get("num_tokens") or 0),
                                token_ids=entry["token_ids"])
-        record = ops._submit("fetch", session, manager.prepare_fetch(namespace, keys[:found], sizes[:found], tier,
+        record = ops._submit("fetch", session, planner.prepare_fetch(namespace, keys[:found], sizes[:found], tier,
                                                                      session_id=session))
         record.detail.update({"blocks_published": len(keys), "blocks_in_store": found, "box": entry.get("box")})
-    ops.manager.sync_catalog(ops.lock)
+    ops.manager.catalog_log.sync_catalog(ops.lock)
     if record.state == "queued":
         ops.wake()
     return 202, record.to_dict()

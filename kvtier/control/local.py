@@ -69,10 +69,10 @@ class LocalAdmin:
             self.paused.wait_released()  # stop() releases it too
             with self.lock:
                 self.ops.shipped([job.job_id])
-            result = self.engine.mover.run(job)  # the IO runs outside the lock, as in the worker
+            result = self.engine.mover.jobs.run(job)  # the IO runs outside the lock, as in the worker
             with self.lock:
                 self.engine.manager.complete(result)
-                self.engine.mover.forget_slots(self.engine.manager.slots.drain_freed())
+                self.engine.mover.ledger.forget(self.engine.manager.table.slots.drain_freed())
                 self.ops.finished(result)  # notifies ops.changed: drain waits on it
 
     def drain(self, timeout: float = 30.0) -> None:

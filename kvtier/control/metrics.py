@@ -35,8 +35,8 @@ def metrics(ops: "Ops") -> bytes:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
     with ops.lock:
-        stats = ops.manager.stats()
-        states = ops.manager.session_state_counts()
+        stats = ops.manager.views.stats()
+        states = ops.manager.views.session_state_counts()
         latency = {kind: list(values) for kind, values in ops.latency.items()}
         link_bytes = ops.link_bytes()
     counters = stats["counters"]

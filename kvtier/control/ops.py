@@ -90,7 +90,7 @@ class Ops:
 
     def link_bytes(self) -> dict[str, int]:
         """Bytes moved per kind of move since start (the manager's counters, applied job by job)."""
-        counters = self.manager.counters
+        counters = self.manager.telemetry.counters
         return {kind: counters.get(f"bytes_{kind}", 0) for kind in LINK_KINDS}
 
     # ---- job bookkeeping (called by the scheduler half, under the lock) -----------------------
@@ -130,7 +130,7 @@ class Ops:
     def _submit(self, kind: str, session_id: str | None, job) -> JobRecord:
         """Record (and enqueue) a planned job; ``job`` None means nothing had to move: done at once."""
         if job is None:
-            job_id = self.manager.new_job_id()
+            job_id = self.manager.jobbook.new_job_id()
             record = JobRecord(job_id, kind, session_id, state="done", finished=time.time(), seconds=0.0)
         else:
             record = JobRecord(job.job_id, kind, session_id, blocks=len(job.moves) + len(job.drops))

@@ -93,10 +93,11 @@ def shared_report(url: str, auth_file: str | None = None, quick: bool = False) -
     from kvtier.tiers.shared.store import SharedConfig, SharedStore, SharedUnavailable, parse_shared_url
 
     store = SharedStore(SharedConfig(parse_shared_url(url), timeout_s=2.0, auth_file=auth_file))
-    out: dict[str, Any] = {"url": store.url}
+    client = store.client
+    out: dict[str, Any] = {"url": client.url}
     try:
-        bps, rtt = store.measure(nbytes=(4 if quick else 32) << 20)
-        out.update(read_gbps=bps / 1e9, rtt_ms=rtt * 1e3, server=store.server_info(), cluster=store.cluster)
+        bps, rtt = client.measure(nbytes=(4 if quick else 32) << 20)
+        out.update(read_gbps=bps / 1e9, rtt_ms=rtt * 1e3, server=client.server_info(), cluster=client.cluster)
     except SharedUnavailable as exc:
         out["problem"] = str(exc)
     finally:

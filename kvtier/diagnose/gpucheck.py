@@ -93,18 +93,18 @@ def check_layout(layout: str, dtype_name: str, device, tmp: Path) -> dict:
     ns = namespace_of(fingerprint.digest)
     keys = chain_block_hashes(list(range(n * 16)), 16)
     src, dst = list(range(n)), list(range(2 * n, 3 * n))
-    want = _blocks(engine.mover.adapter, layers, src)
+    want = _blocks(engine.mover.copies.adapter, layers, src)
     out: dict[str, Any] = {"pinned_arena": engine.arena.pinned}
     out["stored"] = engine.store("s", ns, keys, src, num_tokens=n * 16, token_ids=list(range(n * 16))) == n
     _sync(device)
-    slots = [int(engine.manager.index.col["dram_slot"][r]) for r in engine.manager.lookup(ns, keys)]
+    slots = [int(engine.manager.table.index.col["dram_slot"][r]) for r in engine.manager.table.lookup(ns, keys)]
     in_dram = torch.stack([engine.arena.slot(s, geometry.block_bytes) for s in slots])
     out["dram_bit_exact"] = bool(torch.equal(in_dram.view(len(slots), -1), want.view(n, -1)))
     engine.evict("s", Tier.NVME)
-    out["demoted"] = engine.manager.stats()["nvme"]["blocks"] >= n
+    out["demoted"] = engine.manager.views.stats()["nvme"]["blocks"] >= n
     out["nvme_load_blocks"] = engine.load(ns, keys, dst)
     _sync(device)
-    out["nvme_load_bit_exact"] = bool(torch.equal(_blocks(engine.mover.adapter, layers, dst), want))
+    out["nvme_load_bit_exact"] = bool(torch.equal(_blocks(engine.mover.copies.adapter, layers, dst), want))
     snap = tmp / f"{layout}-{dtype_name}.kvsnap"
     out["snapshot_ok"] = bool(engine.snapshot("s", snap).ok)
     engine.evict("s", None)
@@ -112,12 +112,12 @@ def check_layout(layout: str, dtype_name: str, device, tmp: Path) -> dict:
         layer[dst[0]: dst[-1] + 1].view(torch.uint8).zero_()
     from kvtier.persist.snapshot import open_snapshot
 
-    restored = engine.execute(engine.manager.prepare_restore(open_snapshot(snap)))
+    restored = engine.execute(engine.manager.planner.prepare_restore(open_snapshot(snap)))
     out["restore_ok"] = bool(restored is not None and restored.ok)
     out["restore_load_blocks"] = engine.load(ns, keys, dst)
     _sync(device)
-    out["restore_bit_exact"] = bool(torch.equal(_blocks(engine.mover.adapter, layers, dst), want))
-    out["step_syncs"] = engine.mover.step_syncs
+    out["restore_bit_exact"] = bool(torch.equal(_blocks(engine.mover.copies.adapter, layers, dst), want))
+    out["step_syncs"] = engine.mover.stream.syncs
     engine.close(write_back=False)
     out["ok"] = all(out[k] for k in ("stored", "dram_bit_exact", "demoted", "nvme_load_bit_exact", "snapshot_ok",
                                      "restore_ok", "restore_bit_exact")) \
@@ -211,20 +211,20 @@ def check_overlap(device, tmp: Path) -> dict:
     forward(2)
     t_forward = timed(forward)
     keys = chain_block_hashes(list(range(n * 16)), 16)
-    engine.manager.record_session("s", ns, keys, n * 16)
+    engine.manager.planner.record_session("s", ns, keys, n * 16)
 
     def stores(batch):
         job = engine.manager.prepare_store("s", ns, batch, list(range(len(batch))))
-        engine.mover.step.active = True
+        engine.mover.stream.step.active = True
         started = time.perf_counter()
-        engine.mover.submit_stores([job])
+        engine.mover.jobs.submit_stores([job])
         returned = time.perf_counter() - started
-        engine.mover.step.active = False
+        engine.mover.stream.step.active = False
         return job, returned
 
     def finish(job) -> bool:
-        engine.mover.wait_jobs([job.job_id])
-        results = engine.mover.poll()
+        engine.mover.jobs.wait_jobs([job.job_id])
+        results = engine.mover.jobs.poll()
         for result in results:
             engine.manager.complete(result)
         return all(r.ok for r in results)
@@ -238,8 +238,8 @@ def check_overlap(device, tmp: Path) -> dict:
     t_both = timed(lambda: (forward(), finish(job)))
     overlap = max(0.0, (t_forward + t_copy - t_both) / max(min(t_forward, t_copy), 1e-9))
     out = {"submit_returned_ms": round(returned * 1e3, 3), "forward_still_running_at_return": pending_on_return,
-           "step_syncs": engine.mover.step_syncs, "t_forward_s": t_forward, "t_copy_s": t_copy, "t_both_s": t_both,
-           "overlap": round(min(overlap, 1.0), 3), "stored_blocks": engine.manager.counters["stored_blocks"]}
+           "step_syncs": engine.mover.stream.syncs, "t_forward_s": t_forward, "t_copy_s": t_copy, "t_both_s": t_both,
+           "overlap": round(min(overlap, 1.0), 3), "stored_blocks": engine.manager.telemetry.counters["stored_blocks"]}
     out["ok"] = out["step_syncs"] == 0 and out["stored_blocks"] == 2 * half and returned < 0.05
     engine.close(write_back=False)
     return out

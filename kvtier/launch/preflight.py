@@ -102,7 +102,7 @@ def check_shared(settings: Settings) -> list[str]:
                                      int(settings.shared_ttl), 2.0, settings.shared_codec,
                                      settings.shared_auth_file or None, settings.shared_ca_file or None))
     try:
-        store.ping()
+        store.client.ping()
     except SharedUnavailable as exc:
         return [f"{exc}; serving without the shared tier until it answers"]
     finally:

@@ -58,7 +58,7 @@ class WriteBehind:
         """Write up to ``max_blocks`` DRAM blocks (``max_bytes`` at most) that have had no NVMe copy
         for ``max_age_s`` seconds (oldest first) to the NVMe tier as one group commit, keeping them
         in DRAM. Returns (namespace, key, nbytes, codec) of each block written, for the manager
-        (``TierManager.note_written_behind``), and the error that stopped it (a full, read-only or
+        (``Pressure.note_written_behind``), and the error that stopped it (a full, read-only or
         missing disk), if any.
 
         ``room(nbytes)`` says whether the tier may take that many more bytes of records (the

@@ -56,6 +56,7 @@ class SlotLedger:
         return owner.nbytes if owner is not None and owner.key == move.key else move.nbytes
 
     def forget(self, slots: Sequence[int]) -> None:
+        """The manager freed these slots: a dropped block stays dropped (never written behind)."""
         if not slots:
             return
         with self._lock:  # waits for a write-behind copy of one of these slots to finish

@@ -10,42 +10,48 @@ never read KV the forward pass is still writing, and the step that submitted the
 
 Nothing here blocks the thread that submits: a job that reads a DRAM slot a store is still
 filling waits for that store's fence on a mover thread. Blocking waits made on vLLM's step path
-(``step.active``) are counted in ``step_syncs``; serving should leave it at zero.
+(``stream.step.active``) are counted in ``stream.syncs``; serving should leave it at zero.
 
-Every job ends in exactly one ``JobResult`` (``poll`` / ``wait``): a failure is reported with the
+Every job ends in exactly one ``JobResult`` (``jobs.poll`` / ``jobs.run``): a failure is reported with the
 positions that failed, never swallowed. Bytes moved are counted per link for telemetry.
 
-``Mover`` is a facade over parts that each own their state: the job runner (``jobs``: pools,
-fences, jobs in flight, results), one handler per kind of move (``copies``: HBM<->DRAM,
-``disk_moves``: DRAM<->NVMe, ``behind``: write-behind, ``snapshots``: snapshot files,
-``fetches``: shared-tier fetches), the slot ledger (``ledger``), the staging pool, the link
-counters and the disk's health (``disk``, a ``Backoff``).
+``Mover`` owns the wiring of the worker half's parts and ``close``; callers hold the part that
+owns what they need:
+
+================  =====================================================================
+``jobs``          the job runner: ``submit``, ``submit_stores``, ``run``, ``poll``, ``post``,
+                  ``wait_jobs``, ``in_flight`` (pools, fences, jobs in flight, results)
+``copies``        HBM<->DRAM copies (the layout ``adapter`` and ``kv_layers``)
+``disk_moves``    DRAM<->NVMe moves (``take_recreated``: the NVMe directory was made again)
+``behind``        write-behind and the shutdown write-back (``batch_bytes``)
+``snapshots``     snapshot files; ``fetches``: shared-tier fetches; ``publisher``: publishing
+``ledger``        what each DRAM slot holds and which are dirty (``forget``, ``due_count``)
+``stream``        the copy stream (``device``; ``step.active`` and the step path's ``syncs``)
+``links``         bytes moved per link (``counts``); ``disk``: the disk's health (``Backoff``)
+================  =====================================================================
 """
 from __future__ import annotations
 
 import time
-from collections import Counter
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from kvtier.jobs import Job, JobKind, JobResult
-from kvtier.move.behind import WRITE_BEHIND_BYTES, WriteBehind, Written
+from kvtier.jobs import JobKind
+from kvtier.move.behind import WriteBehind
 from kvtier.move.device import DeviceCopies
 from kvtier.move.disk import DiskMoves
 from kvtier.move.fences import SlotFences
 from kvtier.move.fetch import SharedFetches
 from kvtier.move.files import SnapshotFiles
-from kvtier.move.ledger import SlotLedger, SlotOwner
+from kvtier.move.ledger import SlotLedger
 from kvtier.move.links import LinkBytes
 from kvtier.move.publish import Publisher, SharedTier
-from kvtier.move.runner import JobRunner, OnDone
+from kvtier.move.runner import JobRunner
 from kvtier.move.staging import StagingPool
 from kvtier.move.stream import CopyStream
 from kvtier.tiers.base import DiskStore
 from kvtier.tiers.health import Backoff, Clock
 
 if TYPE_CHECKING:  # pragma: no cover
-    import threading
 
     import torch
 
@@ -56,6 +62,8 @@ __all__ = ["Mover"]
 
 
 class Mover:
+    """The worker half's parts, wired (the module docstring says which owns what)."""
+
     def __init__(
         self,
         fingerprint: "ModelFingerprint",
@@ -112,93 +120,7 @@ class Mover:
         self.jobs = JobRunner(handlers, self.stream, self.fences, rank, threads,
                               self.publisher.stored if self.publisher is not None else None)
 
-    # ---- the parts' state, as the mover always showed it ---------------------------------------
-    @property
-    def adapter(self) -> "LayoutAdapter | None":
-        return self.copies.adapter
-
-    @property
-    def kv_layers(self) -> "list[torch.Tensor] | None":
-        return self.copies.kv_layers
-
-    @property
-    def device(self) -> "torch.device":
-        return self.stream.device
-
-    @property
-    def step(self) -> "threading.local":
-        """``step.active``: this thread is in one of vLLM's step calls."""
-        return self.stream.step
-
-    @property
-    def step_syncs(self) -> int:
-        """Blocking waits for transfers on the step path (fences on preemption only)."""
-        return self.stream.syncs
-
-    @property
-    def link_bytes(self) -> Counter[str]:
-        return self.links.counts
-
-    @property
-    def slot_owner(self) -> dict[int, SlotOwner]:
-        return self.ledger.slot_owner
-
-    @property
-    def dirty(self) -> dict[int, float]:
-        return self.ledger.dirty
-
-    @property
-    def write_back_bytes(self) -> int:
-        """Bytes per group commit of the shutdown write-back."""
-        return self.behind.batch_bytes
-
-    @write_back_bytes.setter
-    def write_back_bytes(self, value: int) -> None:
-        self.behind.batch_bytes = value
-
-    # ---- running jobs -------------------------------------------------------------------------
-    def submit(self, job: Job, on_done: OnDone | None = None) -> Future:
-        return self.jobs.submit(job, on_done)
-
-    def submit_stores(self, jobs: Sequence[Job], on_done: OnDone | None = None, post: bool = True) -> Future:
-        return self.jobs.submit_stores(jobs, on_done, post)
-
-    def in_flight(self, job_ids: Sequence[int]) -> list[int]:
-        return self.jobs.in_flight(job_ids)
-
-    def wait_jobs(self, job_ids: Sequence[int]) -> int:
-        return self.jobs.wait_jobs(job_ids)
-
-    def run(self, job: Job) -> JobResult:
-        return self.jobs.run(job)
-
-    def poll(self) -> list[JobResult]:
-        return self.jobs.poll()
-
-    def post(self, result: JobResult) -> None:
-        self.jobs.post(result)
-
     def close(self) -> None:
         self.jobs.close()
         if self.publisher is not None:
             self.publisher.close()
-
-    # ---- DRAM slots and write-behind ----------------------------------------------------------
-    def forget_slots(self, slots: Sequence[int]) -> None:
-        """The manager freed these slots: a dropped block stays dropped (never written behind)."""
-        self.ledger.forget(slots)
-
-    def dirty_due(self, max_age_s: float) -> int:
-        return self.ledger.due_count(max_age_s)
-
-    def write_behind(self, max_age_s: float, max_blocks: int = 64, cold_codec: str = "none",
-                     room: Callable[[int], bool] | None = None,
-                     max_bytes: int = WRITE_BEHIND_BYTES) -> tuple[Written, str | None]:
-        return self.behind.write_behind(max_age_s, max_blocks, cold_codec, room, max_bytes)
-
-    def write_back(self, cold_codec: str = "none") -> int:
-        return self.behind.write_back(cold_codec)
-
-    def take_recreated(self) -> bool:
-        """Whether the NVMe directory vanished and was made again since the last call."""
-        return self.disk_moves.take_recreated()

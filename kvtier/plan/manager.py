@@ -1,28 +1,38 @@
 """The scheduler half: every tiering decision, as jobs for the mover. No IO, no torch.
 
-``TierManager`` is the one facade over the parts that own the state: the block table (``table``:
-sessions, block index, eviction policies, DRAM slots, the NVMe byte budget), the job book
-(``jobbook``), telemetry (``telemetry``: counters and lasting warnings), pressure and the disk's
-health (``pressure``), the session planner (``sessions``), the catalog change log
-(``catalog_log``) and read-only views (``views``). It answers lookups and plans stores and loads
-itself, and hands the rest to its parts. The mover runs the jobs and hands back ``JobResult``
-objects to ``complete``, which is the only place where a block becomes visible, changes tier, or is
-forgotten. Blocks named by an unfinished job hold a reference and are never chosen as victims.
+``TierManager`` owns the wiring of the scheduler half's parts, the block keys (``block_keys``,
+``key_scheme``), the plans of stores and loads, and ``complete``: the only place where a block
+becomes visible, changes tier, or is forgotten once its job ran. Callers hold the part that owns
+what they need:
+
+==================  ===================================================================
+``table``           sessions, the block index, eviction policies, DRAM slots, the NVMe
+                    byte budget, recent drops; lookups (``peek``, ``lookup``, ``in_dram``)
+``jobbook``         unfinished jobs, jobs queued for the next maintenance, job ids
+``telemetry``       counters and lasting warnings (``count``, ``warn``)
+``pressure``        watermarks, the cost model, demotions, flushes, write-behind reports
+``planner``         the session plans: record, pin, retain, evict, snapshot, restore, fetch
+``catalog_log``     the session catalog and the shared store's session entries
+``views``           read-only answers: ``stats``, ``session_info``, overviews, state counts
+``turns``           the last turns of each session (what was found, loaded, and why not more)
+``nvme_health``     the NVMe write back-off (``pressure`` drops victims while it lasts)
+==================  ===================================================================
+
+The mover runs the jobs and hands back ``JobResult`` objects to ``complete``. Blocks named by an
+unfinished job hold a reference and are never chosen as victims.
 
 Pressure: when DRAM slot use passes the high watermark, the policy's victims are demoted to NVMe
 (or their DRAM copy is simply released when NVMe already holds them) down to the low watermark;
-NVMe likewise drops its victims. With a cost model (``cost``), a victim whose longest stored
-prefix would restore from NVMe slower than it recomputes is dropped instead of demoted
-(``kvtier.plan.decide.worth_keeping``): writing it would cost disk bandwidth and never pay off. A store
-that finds DRAM full of pinned or busy blocks stores what fits and skips the rest: normal pressure,
-not an error; vLLM recomputes what was not kept.
+NVMe likewise drops its victims. With a cost model (``pressure.cost``), a victim whose longest
+stored prefix would restore from NVMe slower than it recomputes is dropped instead of demoted
+(``kvtier.plan.decide.worth_keeping``): writing it would cost disk bandwidth and never pay off. A
+store that finds DRAM full of pinned or busy blocks stores what fits and skips the rest: normal
+pressure, not an error; vLLM recomputes what was not kept.
 """
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from kvtier.codecs import get_codec, resolve_codec
 from kvtier.jobs import Job, JobKind, JobResult
@@ -40,14 +50,15 @@ from kvtier.tiers.health import Backoff, Clock
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.persist.catalog import Catalog
-    from kvtier.persist.snapshot import SnapshotInfo
     from kvtier.plan.costmodel import CostModel
-    from kvtier.plan.index import BlockIndex, Session
 
 __all__ = ["TierManager"]
 
 
 class TierManager:
+    """The scheduler half's parts, wired (the module docstring says which owns what), and what
+    joins them: store and load plans, completions, maintenance."""
+
     def __init__(
         self,
         fingerprint: ModelFingerprint,
@@ -68,7 +79,7 @@ class TierManager:
     ):
         """``nvme_records``: the blocks an NVMe scan found; ``nvme_removed_at_start``: the damaged
         files that scan deleted (counted, and a lasting warning); ``catalog``: the session catalog
-        to read sessions back from and to keep up to date (``sync_catalog``); ``cost``: the
+        to read sessions back from and to keep up to date (``catalog_log.sync_catalog``); ``cost``: the
         connector's cost model (demotion asks it whether a victim is worth writing); ``block_keys``:
         how block keys are computed from token ids (vLLM's own hash in the connector; restores
         recompute keys with it and never trust a file's), a sha256 chain when None; ``clock``: the
@@ -96,274 +107,18 @@ class TierManager:
                                       fingerprint, self.block_keys, self.key_scheme)
         self.views = Views(self.table, self.jobbook, self.telemetry, fingerprint)
 
-    # ---- state the callers read (owned by the parts) ------------------------------------------
-    @property
-    def counters(self):
-        """The counters the admin plane and ``kvtier top`` read (a ``Counter``)."""
-        return self.telemetry.counters
-
-    @property
-    def warnings(self) -> dict[str, str]:
-        return self.telemetry.warnings
-
-    @property
-    def index(self) -> "BlockIndex":
-        return self.table.index
-
-    @index.setter
-    def index(self, index: "BlockIndex") -> None:
-        self.table.index = index
-
-    @property
-    def slots(self):
-        return self.table.slots
-
-    @property
-    def policies(self):
-        return self.table.policies
-
-    @property
-    def sessions(self) -> "dict[str, Session]":
-        return self.table.sessions
-
-    @property
-    def drops(self):
-        """Recently dropped blocks, with when and why (a later turn's miss names them)."""
-        return self.table.drops
-
-    @property
-    def jobs(self) -> dict[int, Job]:
-        return self.jobbook.jobs
-
-    @property
-    def queued(self) -> list[Job]:
-        """Planned jobs that ship with the next maintenance."""
-        return self.jobbook.queued
-
-    @property
-    def nvme_budget(self):
-        """The NVMe byte budget (``NvmeBudget``): the one place NVMe bytes are counted."""
-        return self.table.nvme
-
-    @property
-    def nvme_used(self) -> int:
-        """Bytes the NVMe tier holds, plus those reserved by demotions still under way."""
-        return self.table.nvme.used
-
-    @property
-    def nvme_capacity(self) -> int:
-        return self.table.nvme.capacity
-
-    @property
-    def warm_codec(self) -> str:
-        return self.table.warm_codec
-
-    @warm_codec.setter
-    def warm_codec(self, name: str) -> None:
-        self.table.warm_codec = name
-
-    @property
-    def cold_codec(self) -> str:
-        return self.table.cold_codec
-
-    @cold_codec.setter
-    def cold_codec(self, name: str) -> None:
-        self.table.cold_codec = name
-
-    @property
-    def high(self) -> float:
-        return self.pressure.high
-
-    @high.setter
-    def high(self, value: float) -> None:
-        self.pressure.high = value
-
-    @property
-    def low(self) -> float:
-        return self.pressure.low
-
-    @low.setter
-    def low(self, value: float) -> None:
-        self.pressure.low = value
-
-    @property
-    def cost(self) -> "CostModel | None":
-        return self.pressure.cost
-
-    @cost.setter
-    def cost(self, cost: "CostModel | None") -> None:
-        self.pressure.cost = cost
-
-    @property
-    def catalog(self) -> "Catalog | None":
-        return self.catalog_log.catalog
-
-    @property
-    def publish_sessions(self) -> bool:
-        return self.catalog_log.publish_sessions
-
     @property
     def key_scheme(self) -> str:
         """Names the hash ``block_keys`` computes (a snapshot records it: keys of the same scheme must
         match the recomputed ones)."""
         return str(getattr(self.block_keys, "scheme", "kvtier:sha256-chain"))
 
-    # ---- telemetry and job ids ----------------------------------------------------------------
-    def new_job_id(self) -> int:
-        """A job id no job has had (the admin API numbers its no-op answers from the same sequence)."""
-        return self.jobbook.new_job_id()
-
-    def count(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to one of the counters the admin plane and ``kvtier top`` read (the engine's
-        halves count their own events here: prompt tokens, decisions, lookups, refreshes)."""
-        self.telemetry.count(name, n)
-
-    def warn(self, name: str, message: str | None) -> None:
-        """Set (or, with None, clear) a lasting warning that ``kvtier status`` and ``top`` show."""
-        self.telemetry.warn(name, message)
-
-    # ---- lookups ------------------------------------------------------------------------------
-    def peek(self, namespace: bytes, keys: Sequence[bytes]) -> np.ndarray:
-        """Rows of the longest stored prefix of ``keys``, with no side effect (see ``BlockTable.peek``)."""
-        return self.table.peek(namespace, keys)
-
-    def in_dram(self, rows: np.ndarray) -> np.ndarray:
-        """Per row of ``rows`` (from ``peek``/``lookup``): True when its block has a DRAM copy."""
-        return self.table.in_dram(rows)
-
-    def first_unstored(self, namespace: bytes, keys: Sequence[bytes], first: int, end: int) -> int:
-        return self.table.first_unstored(namespace, keys, first, end)
-
-    def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> list[int]:
-        """Rows of the longest stored prefix of ``keys`` (a hit refreshes their recency)."""
-        return self.table.lookup(namespace, keys)
-
-    # ---- sessions -----------------------------------------------------------------------------
-    def record_session(self, session_id: str, namespace: bytes, keys: Sequence[bytes], num_tokens: int,
-                       token_ids: Sequence[int] | None = None) -> "Session":
-        """Note the latest prompt of a session (its blocks, in order, and the token ids they cover)."""
-        return self.planner.record_session(session_id, namespace, keys, num_tokens, token_ids)
-
-    def session(self, session_id: str) -> "Session":
-        return self.table.session(session_id)
-
-    def session_rows(self, session: "Session") -> list[int]:
-        return self.table.session_rows(session)
-
-    def session_row_array(self, session: "Session") -> np.ndarray:
-        return self.table.session_row_array(session)
-
-    def session_tokens(self, session: "Session") -> np.ndarray | None:
-        """The token ids of the session's full blocks: held in memory, else read from the catalog."""
-        return self.catalog_log.session_tokens(session)
-
-    def pin(self, session_id: str, tier: Tier = Tier.DRAM, for_s: float | None = None) -> Job | None:
-        """Pin a session at ``tier``, for ``for_s`` seconds or until unpinned (see ``SessionPlanner.pin``)."""
-        return self.planner.pin(session_id, tier, for_s)
-
-    def unpin(self, session_id: str) -> None:
-        self.planner.unpin(session_id)
-
-    def retain(self, session_id: str, seconds: float, priority: int) -> None:
-        """A request's retention hint: see ``SessionPlanner.retain`` and ``kvtier.plan.retention``."""
-        self.planner.retain(session_id, seconds, priority)
-
-    def expire(self) -> list[str]:
-        """End timed pins and retention hints whose time is up (maintenance does it too)."""
-        return self.planner.expire()
-
-    def promote(self, session_id: str) -> Job | None:
-        return self.planner.promote(session_id)
-
-    def evict(self, session_id: str, to: Tier | None) -> Job | None:
-        return self.planner.evict(session_id, to)
-
-    def prepare_snapshot(self, session_id: str, path: str, in_place: bool = False) -> Job:
-        return self.planner.prepare_snapshot(session_id, path, in_place)
-
-    def max_snapshot_header(self) -> int:
-        return self.planner.max_snapshot_header()
-
-    def trusted_keys(self, info: "SnapshotInfo", cache_salt: str | None = None) -> list[bytes]:
-        return self.planner.trusted_keys(info, cache_salt)
-
-    def shared_entry_keys(self, entry: dict, cache_salt: str | None = None) -> tuple[bytes, list[bytes]]:
-        return self.planner.shared_entry_keys(entry, cache_salt)
-
-    def prepare_restore(self, info: "SnapshotInfo", tier: Tier = Tier.DRAM, cache_salt: str | None = None,
-                        require_signed: bool = False) -> Job | None:
-        """A RESTORE job for a snapshot's missing blocks (see ``SessionPlanner.prepare_restore``)."""
-        return self.planner.prepare_restore(info, tier, cache_salt, require_signed)
-
-    def prepare_fetch(self, namespace: bytes, keys: Sequence[bytes], sizes: Sequence[int], tier: Tier = Tier.DRAM,
-                      start: int = 0, session_id: str | None = None) -> Job | None:
-        """A FETCH job from the shared store (see ``SessionPlanner.prepare_fetch``)."""
-        return self.planner.prepare_fetch(namespace, keys, sizes, tier, start, session_id)
-
-    # ---- views --------------------------------------------------------------------------------
-    def session_info(self, session_id: str) -> dict[str, Any]:
-        return self.views.sessions_overview([self.session(session_id).session_id])[0]
-
-    def sessions_overview(self, session_ids: list[str] | None = None) -> list[dict[str, Any]]:
-        """``session_info`` for many sessions at once (vectorised: 1,000 sessions in a few ms)."""
-        return self.views.sessions_overview(session_ids)
-
-    def session_state_counts(self) -> dict[str, int]:
-        return self.views.session_state_counts()
-
-    def session_state(self, session: "Session", in_dram: int, in_nvme: int) -> str:
-        return self.views.session_state(session, in_dram, in_nvme)
-
-    def tokens_per_gib(self) -> dict[str, int]:
-        return self.views.tokens_per_gib()
-
-    def dirty_stats(self) -> dict[str, float]:
-        """What a crash would lose now: DRAM-only blocks, their bytes, and the oldest one's age (s)."""
-        return self.views.dirty_stats()
-
-    def stats(self) -> dict[str, Any]:
-        return self.views.stats()
-
-    # ---- pressure and the disk ----------------------------------------------------------------
+    # ---- maintenance --------------------------------------------------------------------------
     def maintenance(self, force: bool = False) -> list[Job]:
         """Timed pins and retention hints that ran out end; then the jobs that bring DRAM back under its
         low watermark once past the high one (or ``force``)."""
         self.planner.expire()
         return self.pressure.maintenance(force)
-
-    def flush(self, session_id: str | None = None) -> Job | None:
-        """A FLUSH job copying DRAM-only blocks (all, or one session's) to NVMe, keeping them in DRAM."""
-        return self.pressure.flush(session_id)
-
-    def note_written_behind(self, records: Iterable[tuple[bytes, bytes, int, str]], error: str | None = None,
-                            recreated: bool = False, disk_ok: bool = False,
-                            disk_free: int | None = None) -> Job | None:
-        """The worker wrote these DRAM blocks to NVMe on its own (see ``Pressure.note_written_behind``)."""
-        return self.pressure.note_written_behind(records, error, recreated, disk_ok, disk_free)
-
-    def full_disk_margin(self) -> int:
-        return self.pressure.full_disk_margin()
-
-    # ---- the catalog and the shared store -----------------------------------------------------
-    def share_sessions(self) -> None:
-        """A shared tier is on: from now on, changed sessions are queued for publishing (``shared_batch``)."""
-        self.catalog_log.share_sessions()
-
-    def shared_batch(self, box: str | None = None) -> list[dict]:
-        return self.catalog_log.shared_batch(box)
-
-    def requeue_shared(self, session_ids: Iterable[str]) -> None:
-        self.catalog_log.requeue_shared(session_ids)
-
-    def catalog_batch(self) -> tuple[list, list[str]]:
-        return self.catalog_log.catalog_batch()
-
-    def write_catalog(self, batch: tuple[list, list[str]], lock=None) -> bool:
-        return self.catalog_log.write_catalog(batch, lock)
-
-    def sync_catalog(self, lock=None) -> bool:
-        """Write the sessions that changed since the last call (see ``CatalogLog.sync_catalog``)."""
-        return self.catalog_log.sync_catalog(lock)
 
     # ---- stores -------------------------------------------------------------------------------
     def prepare_store(self, session_id: str, namespace: bytes, keys: Sequence[bytes],
@@ -373,7 +128,7 @@ class TierManager:
         ``start`` is the position of ``keys[0]`` in its sequence (0: it is the first block).
         """
         moves = []
-        codec = get_codec(self.warm_codec)
+        codec = get_codec(self.table.warm_codec)
         session = self.table.sessions.get(session_id)
         durable = session is not None and session.pinned is not None and self.table.nvme.capacity > 0
         for position, (key, device_block) in enumerate(zip(keys, device_blocks), start):
@@ -389,7 +144,7 @@ class TierManager:
             row = self.table.index.add(namespace, key, PENDING | IN_DRAM | (FIRST if first else 0), dram_slot=slot,
                                  reach=(start + len(keys)) * self.geometry.block_tokens)
             moves.append(self.table.move(row, dram_slot=slot, nbytes=codec.nbytes_for(self.geometry, first) or 0,
-                                    device_block=device_block, codec=self.warm_codec, first=first,
+                                         device_block=device_block, codec=self.table.warm_codec, first=first,
                                     durable=durable))
         if not moves:
             return None

@@ -33,6 +33,10 @@ class Views:
         # events (the connector's ``HbmCache.sessions``); None: running requests only (``Session.hot``)
         self.hbm_blocks: Callable[[], dict[str, int]] | None = None
 
+    def follow_hbm(self, blocks: Callable[[], dict[str, int]]) -> None:
+        """Show each session's share of vLLM's prefix cache, as ``blocks()`` answers it."""
+        self.hbm_blocks = blocks
+
     def session_counts(self, sessions: list[Session]) -> dict[str, np.ndarray]:
         """Per session: blocks and bytes held complete in DRAM and on NVMe (vectorised)."""
         per_session = [self.table.session_row_array(session) for session in sessions]
@@ -54,6 +58,10 @@ class Views:
                 "blocks_dram": count(in_dram), "blocks_nvme": count(in_nvme), "blocks_both": count(in_dram & in_nvme),
                 "bytes_dram": count(col["dram_nbytes"][idx] * in_dram) * shards,
                 "bytes_nvme": count(col["nvme_nbytes"][idx] * in_nvme) * shards}
+
+    def session_info(self, session_id: str) -> dict[str, Any]:
+        """One session's row of ``sessions_overview`` (NotFoundError when there is no such session)."""
+        return self.sessions_overview([self.table.session(session_id).session_id])[0]
 
     def sessions_overview(self, session_ids: list[str] | None = None) -> list[dict[str, Any]]:
         """``session_info`` for many sessions at once (vectorised: 1,000 sessions in a few ms)."""

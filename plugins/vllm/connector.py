@@ -76,7 +76,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._scheduler = KVTierScheduler(vllm_config, fingerprint, config)
             if untested:
-                self._scheduler.manager.warn("vllm_version", untested)
+                self._scheduler.manager.telemetry.warn("vllm_version", untested)
         else:
             from kvtier.plugins.vllm.kvorder import cpu_kv_order
             from kvtier.plugins.vllm.worker import KVTierWorker
@@ -129,18 +129,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         with self._timed(), self._scheduler.lock:
-            self._scheduler.step_started(scheduler_output)
+            self._scheduler.clock.step_started(scheduler_output)
             step = self._scheduler.build_jobs(scheduler_output)
             return KVTierMetadata(jobs=step.jobs, missing_blocks=step.missing, recv_now=step.recv_now,
                                   flush_jobs=step.flush_jobs, finish_after_stores=step.finish_after_stores,
-                                  freed_slots=self.manager.slots.drain_freed(),
+                                  freed_slots=self.manager.table.slots.drain_freed(),
                                   idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 0),
                                   probe_disk=self._scheduler.disk.slow)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         with self._timed(), self._scheduler.lock:
-            self._scheduler.step_finished()  # vLLM calls this once per executed step
+            self._scheduler.clock.step_finished()  # vLLM calls this once per executed step
             if isinstance(meta, KVTierWorkerMetadata):
                 self._scheduler.complete(meta.results)
                 if meta.weights is not None:

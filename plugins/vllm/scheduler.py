@@ -82,10 +82,8 @@ class KVTierScheduler:
         self.config = config
         dram_bytes, nvme_bytes = config.shard_budgets(self.shards)  # per rank: the manager plans one rank's slots
         nvme_dir = config.nvme_dir
-        records, removed = [], 0
         cold_dir = nvme_dir if nvme_dir and nvme_bytes else None  # the NVMe tier's dir, when it is on
-        if cold_dir:
-            records, removed = scan_drives(nvme_dir, nvme_bytes, self.shards, config.direct_io)
+        records, removed = scan_drives(nvme_dir, nvme_bytes, self.shards, config.direct_io) if cold_dir else ([], 0)
         catalog_dir = primary_dir(cold_dir) if config.catalog else None  # drive 0 holds it
         self.catalog, catalog_problem = self._open_catalog(catalog_dir, fingerprint)
         geometry = fingerprint.geometry
@@ -111,18 +109,19 @@ class KVTierScheduler:
             block_keys=VllmBlockKeys(vllm_config, self.block_tokens),  # restores recompute keys with vLLM's hash
         )
         if catalog_problem:
-            self.manager.warn("catalog", catalog_problem)
+            self.manager.telemetry.warn("catalog", catalog_problem)
         max_context = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         figures = load_figures()
         for tier, spec in (("warm", warm_codec), ("cold", cold_codec)):  # lossy codecs and long contexts
-            self.manager.warn(f"{tier}_codec_recall", recall_warning(spec, max_context, tier, figures))
+            self.manager.telemetry.warn(f"{tier}_codec_recall", recall_warning(spec, max_context, tier, figures))
         self.write_behind_s = write_behind_seconds(config.write_behind) if cold_dir else None
         self._stopping = threading.Event()
         self.requests: dict[str, RequestState] = {}
         self.turns = TurnRecorder(self.manager, self.cost, self.decide_cost, fingerprint, self.requests)
         # the engine's steps, timed: the prefill model's samples, and how long the engine has been idle
-        self.clock = EngineClock(config, self.cost, self.manager.count, self.requests, cold_dir, self._stopping)
-        self.disk = DiskWatch(self.cost, self.manager.warn, shards=self.shards).follow(self.clock)  # a slow disk
+        telemetry = self.manager.telemetry
+        self.clock = EngineClock(config, self.cost, telemetry.count, self.requests, cold_dir, self._stopping)
+        self.disk = DiskWatch(self.cost, telemetry.warn, shards=self.shards).follow(self.clock)  # a slow disk
         self._ranks = RankMerger(self.shards)  # a job is applied once every rank reported it
         self._stores_of: dict[str, set[int]] = {}  # request -> its STORE jobs not yet done on every rank
         self._finish_after_stores: list[str] = []  # finished, held by vLLM until their stores are done
@@ -130,7 +129,7 @@ class KVTierScheduler:
         self._jobs: list[Job] = []  # planned this step, shipped by build_connector_meta
         self._missing: list[int] = []  # HBM blocks promised but not loadable: load errors
         log.info("kvtier: %s, DRAM %d slots, NVMe %s (%d blocks found)", fingerprint.model_id,
-                 self.manager.slots.num_slots, nvme_dir or "off", len(records))
+                 self.manager.table.slots.num_slots, nvme_dir or "off", len(records))
         # the admin API's threads and vLLM's engine thread share the manager through this lock
         self.lock = threading.RLock()
         self.ops = None
@@ -181,16 +180,16 @@ class KVTierScheduler:
             if self.catalog_paused.is_set():
                 continue
             with self.lock:  # timed pins and retention hints end on time on an idle engine too
-                self.manager.expire()
-            self.manager.sync_catalog(self.lock)
+                self.manager.planner.expire()
+            self.manager.catalog_log.sync_catalog(self.lock)
             with self.lock:  # (a failing disk keeps blocks dirty: nothing to bring back then)
-                dirty_age = self.manager.dirty_stats()["dirty_age_s"] \
-                    if self.write_behind_s is not None and "nvme" not in self.manager.warnings else 0.0
+                dirty_age = self.manager.views.dirty_stats()["dirty_age_s"] \
+                    if self.write_behind_s is not None and "nvme" not in self.manager.telemetry.warnings else 0.0
             window = self.write_behind_s
-            if window is not None and dirty_age > window + 2 * every_s and self._idle_for() > every_s \
+            if window is not None and dirty_age > window + 2 * every_s and self.clock.idle_for() > every_s \
                     and time.monotonic() - poked_at > max(window, 2.0):
                 poked_at = time.monotonic()
-                self.poke()
+                self.waker.poke()
 
     def _listen_hbm(self, vllm_config: Any) -> "HbmCache | None":
         """Follow vLLM's KV cache events when it publishes them (``kvtier serve`` turns them on)."""
@@ -203,17 +202,8 @@ class KVTierScheduler:
         except Exception as exc:  # noqa: BLE001 - HBM then shows running requests only
             log.warning("kvtier: not following vLLM's KV cache events at %s: %s", endpoint, exc)
             return None
-        self.manager.views.hbm_blocks = cache.sessions  # sessions, inspect and top: each one's HBM share
+        self.manager.views.follow_hbm(cache.sessions)  # sessions, inspect and top: each one's HBM share
         return cache
-
-    def _idle_for(self) -> float:
-        return self.clock.idle_for()
-
-    def step_started(self, scheduler_output: Any) -> None:
-        self.clock.step_started(scheduler_output)
-
-    def step_finished(self) -> None:
-        self.clock.step_finished()
 
     # ---- admin API ------------------------------------------------------------------------------
     def _start_admin(self, config: ConnectorConfig) -> None:
@@ -224,8 +214,8 @@ class KVTierScheduler:
                 "block_tokens": self.block_tokens, "instance": config.instance,
                 "revision": config.revision, "commit": config.commit, "weights": self.fingerprint.weights,
                 "nvme_drives": drive_dirs(config.cold_dir), "vllm": vllm_info(running_vllm_version())}
-        self.ops = Ops(self.manager, self.lock, self.enqueue, self.wake, config.snapshot_dir, info, hbm=self.hbm_usage,
-                       cost=self.cost, shared=self.shared)
+        self.ops = Ops(self.manager, self.lock, self.enqueue, self.waker.wake, config.snapshot_dir, info,
+                       hbm=self.hbm_usage, cost=self.cost, shared=self.shared)
         tcp = None
         if config.admin_tcp:
             host, _, port = config.admin_tcp.rpartition(":")
@@ -240,14 +230,6 @@ class KVTierScheduler:
         cache's besides them. Called under the lock."""
         running = sum(len(state.block_ids) for state in self.requests.values())
         return hbm_usage(self.hbm_cache, running, self._hbm_capacity_blocks, self.fingerprint.geometry.block_bytes)
-
-    def poke(self) -> bool:
-        """One 1-token request, so an idle engine runs a step (see ``EngineWaker``)."""
-        return self.waker.poke()
-
-    def wake(self) -> None:
-        """Keep the engine stepping while admin jobs are in flight (see ``EngineWaker.wake``)."""
-        self.waker.wake()
 
     def _in_flight(self) -> bool:
         with self.lock:
@@ -264,7 +246,7 @@ class KVTierScheduler:
             self.admin.stop()
             self.admin = None
         if self.catalog is not None:
-            self.manager.sync_catalog(self.lock)
+            self.manager.catalog_log.sync_catalog(self.lock)
             self.catalog.close()
             self.catalog = None
 
@@ -294,16 +276,16 @@ class KVTierScheduler:
         state.lookup = (usable * bs, None, None, None)  # for the turn's record (kvtier.plan.reasons)
         if start >= usable:
             return 0, False
-        rows = self.manager.peek(state.namespace, request.block_hashes[:usable])
+        rows = self.manager.table.peek(state.namespace, request.block_hashes[:usable])
         if self.shared is not None and len(rows) < usable:
             if self.shared.pending(state, request, len(rows), usable):
                 return None, False
-            rows = self.manager.peek(state.namespace, request.block_hashes[:usable])  # fetched ones too
+            rows = self.manager.table.peek(state.namespace, request.block_hashes[:usable])  # fetched ones too
         hit = len(rows) - start
         state.lookup = (usable * bs, len(rows) * bs, None, None)
         if hit <= 0:
             return 0, False
-        flags = self.manager.in_dram(rows[start:])
+        flags = self.manager.table.in_dram(rows[start:])
         candidate = LoadCandidate(start, hit, int(flags.sum()), bs, in_dram=tuple(flags.tolist()),
                                   prompt_tokens=request.num_tokens)
         n = blocks_to_load(candidate, self.decide_cost)
@@ -317,10 +299,11 @@ class KVTierScheduler:
         if first:  # hit rates: prompt tokens admitted, and how many vLLM's HBM cache held
             state.counted = True
             self._note_session(state, request)
-            self.manager.count("prompt_tokens", int(getattr(request, "num_prompt_tokens", request.num_tokens)))
-            self.manager.count("hbm_hit_tokens", state.local_tokens)
+            telemetry = self.manager.telemetry
+            telemetry.count("prompt_tokens", int(getattr(request, "num_prompt_tokens", request.num_tokens)))
+            telemetry.count("hbm_hit_tokens", state.local_tokens)
             if state.decision is not None:
-                self.manager.count(f"decision_{state.decision}")
+                telemetry.count(f"decision_{state.decision}")
         if num_external_tokens <= 0:
             if first:
                 self.turns.admitted(state, request, None, 0, 0)
@@ -328,7 +311,7 @@ class KVTierScheduler:
         block_ids = list(blocks.get_block_ids()[0])
         start = state.local_tokens // self.block_tokens
         count = num_external_tokens // self.block_tokens
-        rows = self.manager.lookup(state.namespace, request.block_hashes[: start + count])[start:]
+        rows = self.manager.table.lookup(state.namespace, request.block_hashes[: start + count])[start:]
         job = self.manager.prepare_load(rows, block_ids[start : start + len(rows)])
         loaded = len(job.moves) if job else 0
         if job is not None:
@@ -339,7 +322,7 @@ class KVTierScheduler:
         if loaded < count:  # blocks gone since the lookup: reported as load errors, vLLM recomputes them
             self._missing.extend(block_ids[start + loaded : start + count])
         state.loaded_tokens = num_external_tokens
-        self.manager.count("loaded_tokens", num_external_tokens)
+        self.manager.telemetry.count("loaded_tokens", num_external_tokens)
         if first:
             self.turns.admitted(state, request, job, count * self.block_tokens,
                            (count - loaded) * self.block_tokens)
@@ -350,9 +333,9 @@ class KVTierScheduler:
         session id nor a whole block (a health check, kvtier's own wake-up poke) is no session."""
         if not request.block_hashes and not getattr(request, "session_id", None):
             return
-        session = self.manager.sessions.get(state.session_id)
+        session = self.manager.table.sessions.get(state.session_id)
         if session is None:
-            session = self.manager.record_session(state.session_id, state.namespace, [], request.num_tokens)
+            session = self.manager.planner.record_session(state.session_id, state.namespace, [], request.num_tokens)
         session.hot = True
 
     # ---- per step -----------------------------------------------------------------------------
@@ -362,7 +345,7 @@ class KVTierScheduler:
         fences: stores of preempted requests to finish first, finished requests held for theirs."""
         self._track_block_tables(scheduler_output)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
-        self.manager.count("preempted_requests", len(preempted))
+        self.manager.telemetry.count("preempted_requests", len(preempted))
         flush = [job_id for req_id in preempted for job_id in self._stores_of.get(req_id, ())]
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
@@ -401,17 +384,17 @@ class KVTierScheduler:
         if full <= state.stored_blocks:
             return
         keys = list(request.block_hashes[:full])
-        session = self.manager.record_session(state.session_id, state.namespace, keys, computed_after_step,
-                                              token_ids=request.all_token_ids)
+        session = self.manager.planner.record_session(state.session_id, state.namespace, keys, computed_after_step,
+                                                      token_ids=request.all_token_ids)
         session.hot = True
         if state.retain is not None:  # the request's retention hint, from its first scheduled step
-            self.manager.retain(state.session_id, state.retain.seconds, state.retain.priority)
+            self.manager.planner.retain(state.session_id, state.retain.seconds, state.retain.priority)
             state.retain = None
         if session.pinned is None and not worth_keeping(max(request.num_tokens, computed_after_step), self.decide_cost,
                                                          on_nvme=False):
             # shorter than the DRAM break-even: loading it back would be slower than recomputing it.
             # Stores resume (from the first block) if the request grows past it while it holds them.
-            self.manager.count("store_skipped_blocks", full - max(state.skipped_blocks, state.stored_blocks))
+            self.manager.telemetry.count("store_skipped_blocks", full - max(state.skipped_blocks, state.stored_blocks))
             state.skipped_blocks = max(state.skipped_blocks, full)
             store_skipped(state)
             return
@@ -425,7 +408,7 @@ class KVTierScheduler:
             self._jobs.append(job)
         # Blocks DRAM had no room for are offered again next step (demotion makes room meanwhile),
         # as long as the request holds them in HBM.
-        state.stored_blocks = self.manager.first_unstored(state.namespace, keys, first, full)
+        state.stored_blocks = self.manager.table.first_unstored(state.namespace, keys, first, full)
 
     def enqueue(self, job: Job | None) -> None:
         """Ship an operator's job (evict, pin, snapshot...) with the next step's metadata."""
@@ -440,16 +423,16 @@ class KVTierScheduler:
                     self.shared.reports[result.rank] = result.shared
                 continue
             if result.job_id < 0 and result.written_behind is not None:  # the worker's own write-behind
-                self.enqueue(self.manager.note_written_behind(self._ranks.written(result), result.error,
-                                                              result.nvme_recreated, result.disk_ok,
-                                                              result.disk_free))
+                self.enqueue(self.manager.pressure.note_written_behind(self._ranks.written(result), result.error,
+                                                                       result.nvme_recreated, result.disk_ok,
+                                                                       result.disk_free))
                 continue
             if result.job_id < 0:
                 continue
             result = self._ranks.job(result)
             if result is None:
                 continue
-            job = self.manager.jobs.get(result.job_id)
+            job = self.manager.jobbook.jobs.get(result.job_id)
             if job is not None and job.kind == JobKind.LOAD and not result.ok:  # recomputed: the turn says why
                 self.turns.load_failed(job, result)
             if job is not None and job.kind == JobKind.STORE and job.req_id is not None:
@@ -485,7 +468,7 @@ class KVTierScheduler:
         if not held:  # vLLM frees its blocks now (to its prefix cache): HBM counts them there, not here
             state.block_ids = []
         self.turns.finished(state)
-        session = self.manager.sessions.get(state.session_id)
+        session = self.manager.table.sessions.get(state.session_id)
         if session is not None:
             session.hot = False
             if not session.keys:  # shorter than a block: its length with the reply

@@ -53,7 +53,7 @@ class SharedLookups:
         self.config = config
         self.box = box
         self.store = SharedStore(config, rank=0)
-        self.manager.share_sessions()
+        self.manager.catalog_log.share_sessions()
         self.reports: dict[int, dict] = {}  # rank -> its worker's last shared-tier report
         self.server: dict | None = None  # the store's memory and eviction figures (INFO), refreshed by tick
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-shared")
@@ -75,7 +75,7 @@ class SharedLookups:
     def pending(self, state: "RequestState", request: Any, have: int, usable: int) -> bool:
         """True while the request should wait (answer None): its lookup or fetch is under way.
         ``have``: blocks this box holds from the prompt's start; ``usable``: full blocks to ask about."""
-        count = self.manager.count
+        count = self.manager.telemetry.count
         phase = state.shared
         now = time.monotonic()
         if phase is None:
@@ -84,7 +84,7 @@ class SharedLookups:
                 state.shared = ("done",)
                 return False
             keys = list(request.block_hashes[have:usable])
-            future = self._pool.submit(self.store.lengths, state.namespace, keys, self.shards)
+            future = self._pool.submit(self.store.blocks.lengths, state.namespace, keys, self.shards)
             state.shared = ("looking", now, future, have, keys)
             return True
         if phase[0] == "looking":
@@ -101,7 +101,7 @@ class SharedLookups:
             except SharedUnavailable:
                 count("shared_lookup_failures")
                 return False
-            found = self.store.stored_prefix(sizes)
+            found = self.store.blocks.stored_prefix(sizes)
             count("shared_lookups")
             if not found:
                 count("shared_lookup_misses")
@@ -112,8 +112,8 @@ class SharedLookups:
             if not fetch:
                 count("shared_recomputed_blocks", found)  # the link is too slow for it to pay
                 return False
-            job = self.manager.prepare_fetch(state.namespace, keys[:found], sizes[:found], start=start,
-                                             session_id=state.session_id)
+            job = self.manager.planner.prepare_fetch(state.namespace, keys[:found], sizes[:found], start=start,
+                                                     session_id=state.session_id)
             if job is None:
                 return False
             job.req_id = request.request_id
@@ -124,7 +124,7 @@ class SharedLookups:
             return True
         if phase[0] == "fetching":
             _, started, job_id, patience = phase
-            if job_id in self.manager.jobs:  # not completed yet
+            if job_id in self.manager.jobbook.jobs:  # not completed yet
                 if now - started < patience:
                     return True
                 count("shared_fetch_timeouts")  # it completes later; this request recomputes
@@ -141,13 +141,13 @@ class SharedLookups:
             if self.store.available and now - self._info_at >= INFO_EVERY_S:
                 self._info_at = now
                 try:
-                    self.server = self.store.server_info()
+                    self.server = self.store.client.server_info()
                 except SharedUnavailable:
                     pass
             if self.store.available and now - self._measured_at >= MEASURE_EVERY_S:
                 self._measured_at = now
                 try:
-                    bps, rtt = self.store.measure()
+                    bps, rtt = self.store.client.measure()
                     with self.lock:
                         self.cost.set_shared_link(bps, rtt)
                 except SharedUnavailable:
@@ -159,16 +159,16 @@ class SharedLookups:
     def _publish(self) -> None:
         lock = self.lock
         with lock:
-            entries = self.manager.shared_batch(self.box)
+            entries = self.manager.catalog_log.shared_batch(self.box)
         if not entries:
             return
         try:
             if not self.store.available:
                 raise SharedUnavailable("down")
-            self.store.publish_sessions(self.manager.fingerprint.digest, entries)
+            self.store.sessions.publish_sessions(self.manager.fingerprint.digest, entries)
         except SharedUnavailable:
             with lock:
-                self.manager.requeue_shared(entry["session_id"] for entry in entries)
+                self.manager.catalog_log.requeue_shared(entry["session_id"] for entry in entries)
 
     def _warn(self) -> None:
         problems = []
@@ -181,14 +181,14 @@ class SharedLookups:
         rejected = self.counters().get("rejected_unsigned", 0)
         with self.lock:
             if problems:
-                warning = (f"shared store {self.store.url} is {'; '.join(problems)}: serving "
+                warning = (f"shared store {self.store.client.url} is {'; '.join(problems)}: serving "
                            "without it (requests recompute what it holds)")
             elif rejected:
                 warning = (f"{rejected} shared-tier values were not signed by a key this box trusts: "
                            "boxes that share a store must share the snapshot keys file")
             else:
                 warning = None
-            self.manager.warn("shared", warning)
+            self.manager.telemetry.warn("shared", warning)
 
     # ---- views ---------------------------------------------------------------------------------------
     def counters(self) -> dict:
@@ -201,10 +201,10 @@ class SharedLookups:
     def status(self) -> dict:
         """The shared tier for status and ``kvtier top`` (no network: cached figures). Under the lock."""
         counters = self.counters()
-        manager = self.manager.counters
+        manager = self.manager.telemetry.counters
         link = self.cost.shared_link
-        return {"url": self.store.url, "state": self.store.state, "problem": self.store.problem,
-                "cluster": self.store.cluster, "policy": self.config.policy, "codec": self.config.codec,
+        return {"url": self.store.client.url, "state": self.store.state, "problem": self.store.problem,
+                "cluster": self.store.client.cluster, "policy": self.config.policy, "codec": self.config.codec,
                 "ttl_s": self.config.ttl_s, "box": self.box,
                 "link": None if link is None else {"gbps": link[0] / 1e9, "rtt_ms": link[1] * 1e3},
                 "server": self.server, "queued": sum(r.get("queued", 0) for r in self.reports.values()),

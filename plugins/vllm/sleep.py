@@ -89,8 +89,8 @@ def retarget(mover: "Mover", fingerprint: "ModelFingerprint") -> set[int]:
                  mover.publisher):
         if part is not None:
             part.fingerprint = fingerprint
-    stale = set(mover.slot_owner)
-    mover.forget_slots(sorted(stale))
+    stale = set(mover.ledger.slot_owner)
+    mover.ledger.forget(sorted(stale))
     return stale
 
 
@@ -110,15 +110,15 @@ def switch_weights(fingerprint: "ModelFingerprint", weights: str, manager: "Tier
     (their blocks were computed with the old weights; the DROP jobs delete their NVMe copies) and
     return the fingerprint to plan under from now on."""
     dropped = 0
-    for session_id in list(manager.sessions):
-        if manager.session(session_id).pinned is not None:
-            manager.unpin(session_id)
-        job = manager.evict(session_id, None)
+    for session_id in list(manager.table.sessions):
+        if manager.table.session(session_id).pinned is not None:
+            manager.planner.unpin(session_id)
+        job = manager.planner.evict(session_id, None)
         if job is not None:  # a DROP of its NVMe copies
             enqueue(job)
         dropped += 1
     message = (f"the model's weights changed while vLLM slept ({fingerprint.weights or 'unknown'} -> "
                f"{weights or 'unknown'}): kvtier dropped the {dropped} sessions computed with the old ones")
     log.warning("kvtier: %s", message)
-    manager.warn("weights_changed", message)
+    manager.telemetry.warn("weights_changed", message)
     return with_weights(fingerprint, weights)

@@ -59,7 +59,7 @@ def build_cost_model(config: "ConnectorConfig", geometry: Any, warm_codec: str, 
 
 class EngineClock:
     """The engine's steps, timed: they teach ``cost`` its prefill model, and tell the link
-    re-measurement when the engine is quiet. ``count``: the manager's counter (``TierManager.count``)."""
+    re-measurement when the engine is quiet. ``count``: the manager's counter (``Telemetry.count``)."""
 
     def __init__(self, config: "ConnectorConfig", cost: CostModel, count: Callable[[str], None], requests: dict,
                  nvme_dir: str | None, stopping: threading.Event):

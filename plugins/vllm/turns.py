@@ -4,7 +4,7 @@ where vLLM calls the connector.
 * ``get_num_new_matched_tokens`` notes what the lookup saw (``RequestState.lookup``);
 * ``update_state_after_alloc`` (first admission) calls ``admitted``: the load that was planned, and
   -- only when servable tokens are recomputed -- why no more: how the prompt compares with the
-  session's recorded blocks and token ids, the first missing block's drop (``manager.drops``),
+  session's recorded blocks and token ids, the first missing block's drop (``manager.table.drops``),
   another model's catalog listing the session;
 * ``complete`` calls ``load_failed`` for a load that failed verification (the turn becomes
   ``checksum``);
@@ -95,7 +95,7 @@ class TurnRecorder:
         manager, bt = self.manager, self.block_tokens
         hashes = request.block_hashes
         usable_blocks = facts.usable_tokens // bt
-        session = manager.sessions.get(state.session_id)
+        session = manager.table.sessions.get(state.session_id)
         if session is not None and session.keys:  # listed from its first request, but with no block yet: new
             facts.session_known = True
             keys = session.keys
@@ -106,17 +106,17 @@ class TurnRecorder:
                 match += 1
             facts.match_tokens = match * bt
             if match < len(keys) and match < usable_blocks:
-                facts.diverged_at = _divergence(manager.session_tokens(session), request, match, bt)
+                facts.diverged_at = _divergence(manager.catalog_log.session_tokens(session), request, match, bt)
             last = manager.turns.last(state.session_id)
             facts.stores_skipped = last.store_skipped if last is not None else \
                 not worth_keeping(facts.session_tokens, self.decide_cost, on_nvme=False)
-        elif manager.catalog is not None:
-            other = manager.catalog.find_elsewhere(state.session_id)
+        elif manager.catalog_log.catalog is not None:
+            other = manager.catalog_log.catalog.find_elsewhere(state.session_id)
             if other is not None:
                 facts.foreign = self._describe_foreign(other)
         first_missing = (facts.found_tokens or 0) // bt
         if first_missing < len(hashes):
-            dropped = manager.drops.find(state.namespace, hashes[first_missing])
+            dropped = manager.table.drops.find(state.namespace, hashes[first_missing])
             if dropped is not None:
                 facts.dropped_cause, facts.dropped_at = dropped
         if self.cost.prefill is not None:
@@ -156,7 +156,7 @@ class TurnRecorder:
         if record is None or record.finished:
             return
         record.finished = True
-        count = self.manager.count
+        count = self.manager.telemetry.count
         count(f"turns_{record.reason}")
         count(f"recomputed_tokens_{record.reason}", record.recomputed_tokens)
 

@@ -149,7 +149,7 @@ class KVTierWorker:
         self.mover = Mover(self.fingerprint, arena, self.nvme, adapter, layers, rank=self.rank, shards=self.shards,
                            **self._shared_tier(geometry))
         if self.mover.publisher is not None:  # its state and counters reach status with the next step
-            self.mover.publisher.on_report = lambda stats: self.mover.post(
+            self.mover.publisher.on_report = lambda stats: self.mover.jobs.post(
                 JobResult(job_id=-1, kind=JobKind.STORE, ok=True, rank=self.rank, shared=stats))
         log.info("kvtier worker rank %d/%d: %d KV layers (%s layout), DRAM arena %d MiB%s", self.rank, self.shards,
                  len(layers), adapter.name, arena.buffer.numel() >> 20, " (pinned)" if arena.pinned else "")
@@ -200,9 +200,9 @@ class KVTierWorker:
         backoff = 0.0  # up to 30 s: the back-off of the last failed write, while writes keep failing
         while not self._stopping.wait(tick + backoff):
             try:
-                if store.check_present() and self.mover.take_recreated():  # wiped: what it held is lost
-                    self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=True, rank=self.rank,
-                                              written_behind=[], nvme_recreated=True))
+                if store.check_present() and self.mover.disk_moves.take_recreated():  # wiped: what it held is lost
+                    self.mover.jobs.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=True, rank=self.rank,
+                                                   written_behind=[], nvme_recreated=True))
                 while not self._stopping.is_set() and not self.write_behind_paused.is_set():
                     # the disk and the cores are the forward pass's while it runs: a busy engine only
                     # gets the blocks past twice the window (and pinned sessions' at once), in small
@@ -211,7 +211,7 @@ class KVTierWorker:
                     if not idle and self.disk_probe is not None and self.disk_probe.wanted:
                         break  # a slow disk: writes wait for an idle engine, so they never hold up a turn
                     age = window if idle else 2 * window
-                    due = self.mover.dirty_due(age)
+                    due = self.mover.ledger.due_count(age)
                     # nothing to write, but a write failed lately: probe, so the warning can clear
                     # (the scheduler half ends it only past its own back-off, at most 30 s)
                     recovering = disk.failing or disk.failed_within(35)
@@ -221,8 +221,8 @@ class KVTierWorker:
                         break
                     if due:
                         # one group commit per call: large when idle, small beside a forward pass
-                        written, error = self.mover.write_behind(age, 4096, cold, room,
-                                                                 IDLE_BATCH_BYTES if idle else BUSY_BATCH_BYTES)
+                        written, error = self.mover.behind.write_behind(age, 4096, cold, room,
+                                                                        IDLE_BATCH_BYTES if idle else BUSY_BATCH_BYTES)
                     else:
                         written, error = [], store.probe()
                         if error:
@@ -230,11 +230,11 @@ class KVTierWorker:
                         else:
                             disk.succeeded()
                     if written or error or not due:
-                        self.mover.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error,
-                                                  rank=self.rank,
-                                                  written_behind=written, disk_ok=error is None,
-                                                  nvme_recreated=self.mover.take_recreated(),
-                                                  disk_free=store.free_bytes()))
+                        self.mover.jobs.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=error is None, error=error,
+                                                       rank=self.rank,
+                                                       written_behind=written, disk_ok=error is None,
+                                                       nvme_recreated=self.mover.disk_moves.take_recreated(),
+                                                       disk_free=store.free_bytes()))
                     backoff = disk.delay if error else 0.0
                     if error or not written:
                         break
@@ -248,7 +248,7 @@ class KVTierWorker:
         self._applied = meta
         if self.disk_probe is not None:
             self.disk_probe.wanted = bool(getattr(meta, "probe_disk", False))
-        self.mover.forget_slots(meta.freed_slots)
+        self.mover.ledger.forget(meta.freed_slots)
         self._stale_slots.difference_update(meta.freed_slots)
 
     def idle_for(self) -> float:
@@ -258,7 +258,7 @@ class KVTierWorker:
     @contextlib.contextmanager
     def on_step(self):
         """Marks vLLM's step calls: a blocking wait for a transfer inside counts in ``step_syncs``."""
-        step = self.mover.step if self.mover is not None else None
+        step = self.mover.stream.step if self.mover is not None else None
         if step is not None:
             step.active = True
         try:
@@ -269,13 +269,13 @@ class KVTierWorker:
 
     @property
     def step_syncs(self) -> int:
-        return self.mover.step_syncs if self.mover is not None else 0
+        return self.mover.stream.syncs if self.mover is not None else 0
 
     def handle_preemptions(self, flush_jobs: list[int]) -> None:
         """Before a forward that may reuse the HBM blocks of preempted requests: their stores must
         have read them (the only wait on the step path, and only on preemption)."""
         if flush_jobs and self.mover is not None:
-            self.mover.wait_jobs(flush_jobs)
+            self.mover.jobs.wait_jobs(flush_jobs)
 
     def start_load_kv(self, jobs: list[Job], missing: list[int], recv_now: list[str]) -> None:
         """Queue this step's loads on the mover (vLLM calls this after launching the forward pass
@@ -295,11 +295,11 @@ class KVTierWorker:
                 self._load_done(job, refused)
                 self._results.append(refused)
             elif synchronous:
-                result = self.mover.run(job)
+                result = self.mover.jobs.run(job)
                 self._load_done(job, result)
                 self._results.append(result)
             else:
-                self._track(self.mover.submit(job, self._load_done), job)
+                self._track(self.mover.jobs.submit(job, self._load_done), job)
 
     def wait_for_save(self, jobs: list[Job]) -> None:
         """Queue this step's stores (one batch on the copy thread, fenced by an event on the compute
@@ -319,11 +319,11 @@ class KVTierWorker:
                         self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
             if synchronous:
                 for job in stores:
-                    result = self.mover.run(job)
+                    result = self.mover.jobs.run(job)
                     self._store_done(job, result)
                     self._results.append(result)
             else:
-                self._track(self.mover.submit_stores(stores, self._store_done), None)
+                self._track(self.mover.jobs.submit_stores(stores, self._store_done), None)
         for job in jobs:
             if job.kind in (JobKind.STORE, JobKind.LOAD):
                 continue
@@ -331,9 +331,9 @@ class KVTierWorker:
             if refused is not None:
                 self._results.append(refused)
             elif synchronous:
-                self._results.append(self.mover.run(job))
+                self._results.append(self.mover.jobs.run(job))
             else:
-                self.mover.submit(job)
+                self.mover.jobs.submit(job)
         self._in_step, self._step_ended = False, time.monotonic()
 
     def _track(self, future: Future, job: Job | None) -> None:
@@ -477,7 +477,7 @@ class KVTierWorker:
             results.append(JobResult(job_id=-1, kind=JobKind.PROMOTE, ok=True, rank=self.rank,
                                      nvme_read_bytes=sample[0], nvme_read_s=sample[1]))
         if self.mover is not None:
-            results.extend(self.mover.poll())
+            results.extend(self.mover.jobs.poll())
         return results
 
     def take_load_errors(self) -> set[int]:
@@ -493,7 +493,7 @@ class KVTierWorker:
             self.mover.close()
             if self.nvme is not None:  # keep DRAM-only blocks across the restart
                 cold = resolve_codec(self.config.cold_codec, self.fingerprint.geometry, "cold")
-                self.mover.write_back(cold)
+                self.mover.behind.write_back(cold)
         if self.nvme is not None:
             self.nvme.close()
         if self.shared is not None:

@@ -42,7 +42,7 @@ def server(fingerprint, hbm, tmp_path):
     for session, seed, blocks, tokens, hbm_blocks in (("agent-1", 1, 4, 64, [0, 1, 2, 3]), ("agent-2", 2, 2, 40, [4,
                                                                                                                   5])):
         ids = list(range(seed * 10_000, seed * 10_000 + tokens))  # as vLLM's scheduler half records them
-        engine.manager.record_session(session, ns, keys_of(seed, blocks), tokens, token_ids=ids)
+        engine.manager.planner.record_session(session, ns, keys_of(seed, blocks), tokens, token_ids=ids)
         engine.store(session, ns, keys_of(seed, blocks), hbm_blocks, num_tokens=tokens)
     sock = tmp_path / "run" / "kvtier.sock"
     admin = LocalAdmin(engine, sock, snapshot_dir=tmp_path / "snapshots").start()
@@ -100,10 +100,10 @@ def test_pin_evict_snapshot_restore_through_the_cli(server, tmp_path):
     assert runner.invoke(app, ["snapshot", "verify", job["path"]]).exit_code == 0  # offline, no server
     # drop it everywhere, then restore it from the file
     assert cli(server, "evict", "agent-1", "--to", "drop", "--yes").exit_code == 0
-    assert server.engine.manager.lookup(server.ns, keys_of(1, 4)) == []
+    assert server.engine.manager.table.lookup(server.ns, keys_of(1, 4)) == []
     restored = cli(server, "restore", job["path"], "--tier", "nvme")
     assert restored.exit_code == 0, restored.output
-    assert len(server.engine.manager.lookup(server.ns, keys_of(1, 4))) == 4
+    assert len(server.engine.manager.table.lookup(server.ns, keys_of(1, 4))) == 4
     jobs = json.loads(cli(server, "jobs", "--json").output)["jobs"]
     assert {j["kind"] for j in jobs} >= {"pin", "evict", "snapshot", "restore"}
     assert all(j["state"] == "done" for j in jobs)
@@ -133,11 +133,11 @@ def test_no_wait_returns_a_job_id_and_busy_sessions_refuse_a_second_write(server
     (("sessions", "--state", "lukewarm"), 2, "unknown state"),
 ])
 def test_bad_input_is_a_clear_error_and_changes_nothing(server, args, code, text):
-    before = server.engine.manager.stats()
+    before = server.engine.manager.views.stats()
     result = cli(server, *args)
     assert result.exit_code == code, result.output
     assert text in result.output and "hint:" in result.output and "Traceback" not in result.output
-    after = server.engine.manager.stats()
+    after = server.engine.manager.views.stats()
     assert before["dram"] == after["dram"] and before["nvme"] == after["nvme"]
 
 

@@ -89,23 +89,23 @@ def test_a_failing_disk_warns_keeps_serving_and_recovers(tmp_path):
     engine = world.engine
     break_disk(tmp_path / "nvme")
     manager = engine.manager
-    manager.low = 0.0  # every DRAM block must go
+    manager.pressure.low = 0.0  # every DRAM block must go
     engine.maintain(force=True)
-    assert "nvme" in manager.warnings and manager.counters["demote_failed_blocks"] > 0
-    manager.low = 0.75
+    assert "nvme" in manager.telemetry.warnings and manager.telemetry.counters["demote_failed_blocks"] > 0
+    manager.pressure.low = 0.75
     from kvtier.plan.index import chain_block_hashes
 
     keys = chain_block_hashes(faults._tokens(99, 6), faults.SHAPE[3])
     world.put(keys, range(6))
     engine.store("late", world.ns, keys, list(range(6)), num_tokens=96)  # DRAM is full: it must turn over
-    assert manager.counters["demote_skipped_nvme_failing_blocks"] > 0
+    assert manager.telemetry.counters["demote_skipped_nvme_failing_blocks"] > 0
     loaded, wrong = world.load_and_check(keys)
     assert loaded == 6 and wrong == []
     heal_disk(tmp_path / "nvme")  # the disk works again
     manager.nvme_health.retry_now()  # skip the back-off wait
-    manager.low = 0.0
+    manager.pressure.low = 0.0
     engine.maintain(force=True)
-    assert "nvme" not in manager.warnings and manager.counters["demoted_blocks"] > 0
+    assert "nvme" not in manager.telemetry.warnings and manager.telemetry.counters["demoted_blocks"] > 0
     world.close()
 
 
@@ -118,18 +118,18 @@ def test_a_failing_disk_never_drops_a_session_pinned_to_nvme(tmp_path):
     engine, manager = world.engine, world.engine.manager
     engine.pin("s1", Tier.NVME)
     break_disk(tmp_path / "nvme")
-    manager.low = 0.0
+    manager.pressure.low = 0.0
     engine.maintain(force=True)  # fails: the back-off starts
-    assert "nvme" in manager.warnings
+    assert "nvme" in manager.telemetry.warnings
     engine.maintain(force=True)  # inside the back-off: unpinned victims are dropped
-    assert manager.counters["demote_skipped_nvme_failing_blocks"] > 0
+    assert manager.telemetry.counters["demote_skipped_nvme_failing_blocks"] > 0
     loaded, wrong = world.load_and_check(sessions[1])
     assert loaded == 4 and wrong == []  # the pinned session is all still there
     heal_disk(tmp_path / "nvme")
     manager.nvme_health.retry_now()
     engine.maintain(force=True)  # the disk works again: the pinned blocks reach it
-    rows = manager.session_rows(manager.session("s1"))
-    assert all(manager.index.col["flags"][r] & IN_NVME for r in rows)
+    rows = manager.table.session_rows(manager.table.session("s1"))
+    assert all(manager.table.index.col["flags"][r] & IN_NVME for r in rows)
     world.close()
 
 
@@ -140,14 +140,15 @@ def test_nvme_directory_removed_while_serving_is_recreated(tmp_path):
     world.engine.evict("s0", Tier.NVME)
     shutil.rmtree(tmp_path / "nvme")
     loaded, wrong = world.load_and_check(sessions[0])  # its blocks are gone: reported, not served
-    assert loaded == 0 and wrong == [] and world.engine.manager.counters["nvme_failed_reads"] > 0
-    assert "missing or corrupt" in world.engine.manager.warnings["nvme_reads"]  # told, and it stays
+    assert loaded == 0 and wrong == [] and world.engine.manager.telemetry.counters["nvme_failed_reads"] > 0
+    assert "missing or corrupt" in world.engine.manager.telemetry.warnings["nvme_reads"]  # told, and it stays
     keys = chain_block_hashes(faults._tokens(77, 3), faults.SHAPE[3])
     world.put(keys, range(3))
     world.engine.store("fresh", world.ns, keys, [0, 1, 2], num_tokens=48)
     world.engine.evict("fresh", Tier.NVME)  # the next demotion recreates the directory
-    assert (tmp_path / "nvme" / "segments").is_dir() and "nvme" not in world.engine.manager.warnings
-    assert "nvme_reads" in world.engine.manager.warnings and "vanished" in world.engine.manager.warnings["nvme_lost"]
+    assert (tmp_path / "nvme" / "segments").is_dir() and "nvme" not in world.engine.manager.telemetry.warnings
+    warnings = world.engine.manager.telemetry.warnings
+    assert "nvme_reads" in warnings and "vanished" in warnings["nvme_lost"]
     world.close()
     again = faults.World(tmp_path, dram_blocks=8, nvme_blocks=64)  # and a restart finds the new blocks
     loaded, wrong = again.load_and_check(keys)

@@ -152,7 +152,7 @@ def test_manager_remembers_operator_and_pressure_drops(fingerprint, hbm, tmp_pat
     keys = chain_block_hashes(list(range(4 * 16)), 16)
     engine.store("agent", ns, keys, [0, 1, 2, 3], num_tokens=64)
     engine.evict("agent", None)
-    cause, when = engine.manager.drops.find(ns, keys[2])
+    cause, when = engine.manager.table.drops.find(ns, keys[2])
     assert cause == "operator" and time.time() - when < 60
     engine.close(write_back=False)
     # no NVMe tier: DRAM victims are dropped when new blocks need room
@@ -160,7 +160,7 @@ def test_manager_remembers_operator_and_pressure_drops(fingerprint, hbm, tmp_pat
     old = chain_block_hashes(list(range(10_000, 10_000 + 4 * 16)), 16)
     small.store("old", ns, old, [0, 1, 2, 3], num_tokens=64)
     small.store("new", ns, chain_block_hashes(list(range(20_000, 20_000 + 4 * 16)), 16), [4, 5, 6, 7], num_tokens=64)
-    causes = [small.manager.drops.find(ns, k) for k in old]
+    causes = [small.manager.table.drops.find(ns, k) for k in old]
     assert {c[0] for c in causes if c} == {"dram_full"}, causes
     small.close(write_back=False)
 
@@ -174,7 +174,7 @@ def test_nvme_budget_drops_are_remembered(fingerprint, hbm, tmp_path):
     second = chain_block_hashes(list(range(50_000, 50_000 + 4 * 16)), 16)
     engine.store("second", ns, second, [4, 5, 6, 7], num_tokens=64)
     engine.evict("second", Tier.NVME)  # the NVMe budget holds four blocks: the first session's make room
-    found = [engine.manager.drops.find(ns, k) for k in first]
+    found = [engine.manager.table.drops.find(ns, k) for k in first]
     assert any(f is not None and f[0] == "nvme_budget" for f in found), found
     engine.close(write_back=False)
 
@@ -191,8 +191,8 @@ def test_inspect_and_metrics_show_turns_by_reason(fingerprint, hbm, tmp_path):
     record = apply_facts(facts(vllm_cached_tokens=256, found_tokens=256, session_known=True, session_tokens=512,
                                match_tokens=256, diverged_at=300), session_id="agent", request_id="req-1")
     engine.manager.turns.add(record)
-    engine.manager.counters["turns_diverged"] += 1
-    engine.manager.counters["recomputed_tokens_diverged"] += record.recomputed_tokens
+    engine.manager.telemetry.counters["turns_diverged"] += 1
+    engine.manager.telemetry.counters["recomputed_tokens_diverged"] += record.recomputed_tokens
     sock = tmp_path / "run" / "kvtier.sock"
     admin = LocalAdmin(engine, sock).start()
     try:
@@ -415,7 +415,7 @@ def test_vllm_checksum_failure_is_named(served):
     job = served.wait_job(served.admin().post("/v1/sessions/sum/evict", {"to": "nvme"}))
     assert job["state"] == "done", job
     with served.scheduler.lock:
-        session = served.manager.sessions["sum"]
+        session = served.manager.table.sessions["sum"]
         namespace, keys = session.namespace, list(session.keys)
     store = NvmeStore(served.nvme, 1 << 40, io_threads=1, readonly=True)
     try:

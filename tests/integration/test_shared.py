@@ -49,7 +49,7 @@ def two_boxes(fingerprint, tmp_path, url, **config):
 
 
 def same_blocks(a, b, a_blocks, b_blocks) -> bool:
-    return all(torch.equal(la[i], lb[j]) for la, lb in zip(a.mover.kv_layers, b.mover.kv_layers)
+    return all(torch.equal(la[i], lb[j]) for la, lb in zip(a.mover.copies.kv_layers, b.mover.copies.kv_layers)
                for i, j in zip(a_blocks, b_blocks))
 
 
@@ -123,12 +123,12 @@ def test_blocks_cross_boxes_bit_for_bit_and_sessions_are_listed(fingerprint, tmp
         tokens, keys = session()
         assert a.store("agent", ns, keys, list(range(6)), len(tokens), token_ids=tokens) == 6
         assert a.publish() == 1
-        listed = b.shared.list_sessions(fingerprint.digest)
+        listed = b.shared.sessions.list_sessions(fingerprint.digest)
         assert [(s["session_id"], s["box"], s["blocks"]) for s in listed] == [("agent", "a", 6)]
         assert b.fetch(ns, keys) == 6
         assert b.load(ns, keys, list(range(20, 26))) == 6
         assert same_blocks(a, b, range(6), range(20, 26))
-        assert b.manager.counters["fetched_blocks"] == 6
+        assert b.manager.telemetry.counters["fetched_blocks"] == 6
     finally:
         a.close(), b.close()
 
@@ -157,13 +157,13 @@ def test_other_models_and_tenants_never_share_a_block(fingerprint, geometry, tmp
         ns, tokens, keys = published(a, fingerprint)
         store = SharedStore(SharedConfig(redis_server.url))
         salted = namespace_of(fingerprint.digest, "tenant-b")
-        assert store.lengths(salted, keys) == [0] * 6  # another tenant's namespace: nothing there
+        assert store.blocks.lengths(salted, keys) == [0] * 6  # another tenant's namespace: nothing there
         dst = torch.empty(geometry.block_bytes * 2, dtype=torch.uint8)
         # the right key read as another model: refused by the header, never copied out
         outcome = store.read_batch([(ns, keys[0], dst)], other_model.digest)[0]
         assert isinstance(outcome, Exception) and "another model" in str(outcome)
         assert replace(fingerprint).digest == fingerprint.digest
-        assert store.list_sessions(other_model.digest) == []
+        assert store.sessions.list_sessions(other_model.digest) == []
     finally:
         a.close(), _b.close()
 
@@ -206,13 +206,13 @@ def test_a_published_session_is_restored_with_its_keys_recomputed(fingerprint, t
     a, b = two_boxes(fingerprint, tmp_path, redis_server.url)
     try:
         ns, tokens, keys = published(a, fingerprint)
-        entry = b.shared.session_entry(fingerprint.digest, "agent")
-        assert b.manager.shared_entry_keys(entry) == (ns, keys)
+        entry = b.shared.sessions.session_entry(fingerprint.digest, "agent")
+        assert b.manager.planner.shared_entry_keys(entry) == (ns, keys)
         forged = dict(entry, token_ids=list(range(1000, 1000 + len(tokens))))  # keys no longer match
         with pytest.raises(Exception, match="not the hash of its tokens"):
-            b.manager.shared_entry_keys(forged)
+            b.manager.planner.shared_entry_keys(forged)
         with pytest.raises(Exception, match="another namespace"):
-            b.manager.shared_entry_keys(entry, cache_salt="tenant-b")
+            b.manager.planner.shared_entry_keys(entry, cache_salt="tenant-b")
     finally:
         a.close(), b.close()
 
@@ -242,7 +242,7 @@ def test_a_store_that_is_down_paused_or_restarted_costs_nothing_and_recovers(fin
             fetched, took = _timed(lambda: b.fetch(ns, keys))
             assert fetched == 0 and took < 0.05  # inside the back-off: not even tried
             redis_server.start() if fault == "stop" else redis_server.resume()
-            a.shared.retry_now(), b.shared.retry_now()  # the back-off over (its timing: the FakeClock test)
+            a.shared.client.retry_now(), b.shared.client.retry_now()  # the back-off over (timing: the FakeClock test)
             tokens, keys = session(start=1000 if fault == "stop" else 2000)
             assert a.store(f"s2-{fault}", ns, keys, list(range(6)), len(tokens), token_ids=tokens) == 6
             assert a.mover.publisher.drain()
@@ -258,21 +258,21 @@ def test_the_back_off_doubles_to_its_longest_and_ends_on_the_clock(tmp_path):
     clock = FakeClock()
     with RedisServer(tmp_path / "redis") as server:
         store = SharedStore(SharedConfig(server.url, timeout_s=0.3), clock=clock)
-        store.ping()
+        store.client.ping()
         server.stop()
         for delay in (0.5, 1.0, 2.0, 4.0, 8.0, 8.0):  # BACKOFF_MIN_S doubling to BACKOFF_MAX_S
-            pytest.raises(SharedUnavailable, store.ping)  # tried: the store is gone
+            pytest.raises(SharedUnavailable, store.client.ping)  # tried: the store is gone
             clock.advance(delay - 0.01)
             assert store.state == "down" and "unreachable" in store.problem and not store.available
             clock.advance(0.01)
             assert store.available
         assert store.counters["errors"] == 6
         server.start()
-        assert store.ping() > 0 and store.state == "ok" and store.counters["recoveries"] == 1
+        assert store.client.ping() > 0 and store.state == "ok" and store.counters["recoveries"] == 1
         server.stop()
-        pytest.raises(SharedUnavailable, store.ping)
+        pytest.raises(SharedUnavailable, store.client.ping)
         assert store.client.backoff.delay == 0.5 and not store.available  # a success started it over
-        store.retry_now()  # the operator ends it at once
+        store.client.retry_now()  # the operator ends it at once
         assert store.available
 
 
@@ -287,10 +287,10 @@ def wait_for_sessions(server, wanted: set[str], timeout: float) -> bool:
     pubsub.get_message(timeout=5)  # subscribed: no write after this goes unseen
 
     def stored() -> set[str]:
-        entries = [store.session_entry(bytes.fromhex(index.decode().rsplit(":", 1)[1]), session_id.decode())
+        entries = [store.sessions.session_entry(bytes.fromhex(index.decode().rsplit(":", 1)[1]), session_id.decode())
                    for index in client.keys(b"kvt1:sessions:*") for session_id in client.zrange(index, 0, -1)]
         return {e["session_id"] for e in entries
-                if e is not None and e["keys"] and all(store.lengths(e["namespace"], e["keys"]))}
+                if e is not None and e["keys"] and all(store.blocks.lengths(e["namespace"], e["keys"]))}
 
     deadline = time.monotonic() + timeout
     while not (ok := wanted <= stored()) and time.monotonic() < deadline:
@@ -305,7 +305,7 @@ def test_wrong_credentials_and_a_full_store_are_reported_not_raised(tmp_path, ge
     with RedisServer(tmp_path / "auth", password="right-one", maxmemory="2mb") as server:
         wrong = SharedStore(SharedConfig(server.url), env={"KVTIER_SHARED_PASSWORD": "wrong"})
         with pytest.raises(SharedUnavailable):
-            wrong.ping()
+            wrong.client.ping()
         assert wrong.state == "down" and "credentials" in wrong.problem
         payload = torch.zeros(geometry.block_bytes, dtype=torch.uint8)
         assert isinstance(wrong.write_batch([(b"n" * 16, b"k" * 32, payload, "none")], b"f" * 16)[0], Exception)
@@ -325,7 +325,7 @@ def test_unix_socket_store(tmp_path, geometry):
         store = SharedStore(SharedConfig(server.url))
         payload = torch.randint(0, 256, (geometry.block_bytes,), dtype=torch.uint8)
         assert store.write_batch([(b"n" * 16, b"k" * 32, payload, "none")], b"f" * 16) == [None]
-        assert store.lengths(b"n" * 16, [b"k" * 32]) == [geometry.block_bytes]
+        assert store.blocks.lengths(b"n" * 16, [b"k" * 32]) == [geometry.block_bytes]
 
 
 def test_a_three_node_cluster_spreads_blocks_and_serves_them(fingerprint, tmp_path):
@@ -338,7 +338,7 @@ def test_a_three_node_cluster_spreads_blocks_and_serves_them(fingerprint, tmp_pa
             a.store("agent", ns, keys[:8], list(range(8)), 8 * 16, token_ids=tokens[: 8 * 16])
             a.publish()
             assert b.fetch(ns, keys[:8]) == 8
-            assert a.shared.cluster and b.shared.cluster
+            assert a.shared.client.cluster and b.shared.client.cluster
             assert b.load(ns, keys[:8], list(range(30, 38))) == 8
             assert same_blocks(a, b, range(8), range(30, 38))
             per_node = [n.client().dbsize() for n in nodes]
@@ -454,10 +454,10 @@ def test_policies_ttl_and_serve_checks(fingerprint, tmp_path, redis_server):
         tokens, keys = session()
         a.store("agent", ns, keys, list(range(6)), len(tokens), token_ids=tokens)
         a.mover.publisher.drain()
-        assert b.shared.lengths(ns, keys) == [0] * 6  # demote: not yet
+        assert b.shared.blocks.lengths(ns, keys) == [0] * 6  # demote: not yet
         a.flush()  # the blocks get their NVMe copy
         a.mover.publisher.drain()
-        assert all(b.shared.lengths(ns, keys))
+        assert all(b.shared.blocks.lengths(ns, keys))
         assert 0 < client.ttl(block_key(ns, keys[0])) <= 600
         a.publish()
         assert 0 < client.ttl(b"kvt1:s:" + fingerprint.digest.hex().encode() + b":agent") <= 600
@@ -497,4 +497,4 @@ def test_tls_store_with_its_ca(tmp_path, geometry):
         assert torch.equal(dst, payload)
         untrusting = SharedStore(SharedConfig(server.url))  # the system CAs do not know this one
         with pytest.raises(SharedUnavailable):
-            untrusting.ping()
+            untrusting.client.ping()

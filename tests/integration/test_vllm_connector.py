@@ -113,9 +113,9 @@ def test_sessions_and_turns_match_an_engine_without_connector(tiny_model, tmp_pa
         out = run(tiered, prompt)
         assert same_output(plain, out)
         assert plain.num_cached_tokens == out.num_cached_tokens
-    stats = scheduler_connector(tiered).manager.stats()
+    stats = scheduler_connector(tiered).manager.views.stats()
     assert stats["counters"]["stored_blocks"] > 0 and stats["dram"]["blocks"] > 0
-    assert len(scheduler_connector(tiered).manager.sessions) == 3  # anonymous sessions, one per prefix
+    assert len(scheduler_connector(tiered).manager.table.sessions) == 3  # anonymous sessions, one per prefix
     close(tiered)
 
 
@@ -130,7 +130,7 @@ def test_after_prefix_cache_reset_the_turn_loads_from_dram(tiny_model, tmp_path)
     assert tiered.num_cached_tokens >= 0.9 * len(follow_up) - BLOCK
     assert tiered.num_cached_tokens == plain.num_cached_tokens
     assert same_output(plain, tiered)
-    assert scheduler_connector(llm).manager.counters["hit_dram_blocks"] > 0
+    assert scheduler_connector(llm).manager.telemetry.counters["hit_dram_blocks"] > 0
     close(llm)
 
 
@@ -138,15 +138,15 @@ def evict_first_session_to_nvme(llm) -> None:
     import time
 
     connector = scheduler_connector(llm)
-    session = next(iter(connector.manager.sessions))
-    job = connector.manager.evict(session, Tier.NVME)
+    session = next(iter(connector.manager.table.sessions))
+    job = connector.manager.planner.evict(session, Tier.NVME)
     connector._scheduler.enqueue(job)
     deadline = time.monotonic() + 120
     while True:  # a step carries the demotion to the worker; a later one brings its result back
         run(llm, prompt_of(99, 40))
-        if job.job_id not in connector.manager.jobs or time.monotonic() > deadline:
+        if job.job_id not in connector.manager.jobbook.jobs or time.monotonic() > deadline:
             break
-    info = connector.manager.session_info(session)
+    info = connector.manager.views.session_info(session)
     assert info["blocks_nvme"] == info["blocks"] and info["blocks_dram"] == 0
 
 
@@ -162,7 +162,7 @@ def test_evicted_to_nvme_loads_back_and_survives_a_restart(tiny_model, tmp_path)
     tiered = run(llm, follow_up)
     assert tiered.num_cached_tokens == plain.num_cached_tokens >= 0.9 * len(follow_up) - BLOCK
     assert same_output(plain, tiered)
-    assert scheduler_connector(llm).manager.counters["hit_nvme_blocks"] > 0
+    assert scheduler_connector(llm).manager.telemetry.counters["hit_nvme_blocks"] > 0
     close(llm)
     # a new engine on the same NVMe directory: the cold tier still serves the conversation, and
     # the follow-up's own blocks (DRAM only when the engine stopped) were written back at shutdown
@@ -191,7 +191,7 @@ def test_no_host_synchronisation_on_the_step_path(tiny_model, tmp_path):
             evict_first_session_to_nvme(llm)
             llm.reset_prefix_cache()
             run(llm, follow_up)  # loads from NVMe
-            return get_kv_transfer_group()._worker.step_syncs, dict(scheduler_connector(llm).manager.counters)
+            return get_kv_transfer_group()._worker.step_syncs, dict(scheduler_connector(llm).manager.telemetry.counters)
         finally:
             close(llm)
 
@@ -220,10 +220,10 @@ def test_aborted_request_leaves_nothing_pending(tiny_model, tmp_path):
     manager = scheduler_connector(llm).manager
     from kvtier.plan.index import PENDING
 
-    assert not manager.jobs  # every job the aborted request caused has completed
-    assert (manager.index.col["refs"] == 0).all()
-    assert not (manager.index.col["flags"] & PENDING).any()
-    stored = manager.counters["stored_blocks"]
+    assert not manager.jobbook.jobs  # every job the aborted request caused has completed
+    assert (manager.table.index.col["refs"] == 0).all()
+    assert not (manager.table.index.col["flags"] & PENDING).any()
+    stored = manager.telemetry.counters["stored_blocks"]
     assert 4 <= stored < 3000 // BLOCK  # the two chunks it computed, and no more
     # the same prompt again: the aborted request's blocks are reused, the output is unchanged
     llm.reset_prefix_cache()
@@ -251,7 +251,7 @@ def test_corrupt_block_on_disk_is_recomputed(tiny_model, tmp_path):
     restarted = make_llm(str(tiny_model), nvme_dir=nvme)
     tiered = run(restarted, follow_up)
     assert list(tiered.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
-    counters = scheduler_connector(restarted).manager.counters
+    counters = scheduler_connector(restarted).manager.telemetry.counters
     # the load stopped at the bad block: the blocks before it came from NVMe, vLLM recomputed the rest
     assert counters["nvme_failed_reads"] >= 1
     assert counters["hit_nvme_blocks"] < (len(follow_up) - 1) // BLOCK
@@ -265,7 +265,7 @@ def test_long_prompt_with_chunked_prefill_stores_and_loads(tiny_model, tmp_path)
     prompt = prompt_of(13, 16000)
     first = run(llm, prompt)
     connector = scheduler_connector(llm)
-    assert connector.manager.counters["stored_blocks"] >= 16000 // BLOCK - 1  # every chunk stored
+    assert connector.manager.telemetry.counters["stored_blocks"] >= 16000 // BLOCK - 1  # every chunk stored
     llm.reset_prefix_cache()
     second = run(llm, prompt)
     assert second.num_cached_tokens == (16000 - 1) // BLOCK * BLOCK
@@ -310,7 +310,7 @@ def test_preemption_keeps_outputs_correct(tiny_model, tmp_path):
                   enforce_eager=True, enable_prefix_caching=True, seed=0, num_gpu_blocks_override=17, **kwargs)
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
-            stats = scheduler_connector(llm).manager.stats() if connector else None
+            stats = scheduler_connector(llm).manager.views.stats() if connector else None
             return [list(o.outputs[0].token_ids) for o in outs], stats
         finally:
             close(llm)
@@ -335,14 +335,14 @@ def test_fp8_kv_cache_blocks_are_stored_as_they_are(tiny_model, tmp_path):
                    extra_config={"warm_codec": "fp8", "cold_codec": "fp8+zstd"})
     run(llm, history)
     manager = scheduler_connector(llm).manager
-    assert manager.fingerprint.geometry.itemsize == 1 and manager.warm_codec == "none"
-    assert manager.slots.slot_bytes == manager.fingerprint.geometry.block_bytes  # half of bf16, no re-encoding
+    assert manager.fingerprint.geometry.itemsize == 1 and manager.table.warm_codec == "none"
+    assert manager.table.slots.slot_bytes == manager.fingerprint.geometry.block_bytes  # half of bf16, no re-encoding
     evict_first_session_to_nvme(llm)
     llm.reset_prefix_cache()
     tiered = run(llm, follow_up)
     assert tiered.num_cached_tokens == plain.num_cached_tokens
     assert same_output(plain, tiered)
-    assert manager.counters["hit_nvme_blocks"] > 0
+    assert manager.telemetry.counters["hit_nvme_blocks"] > 0
     close(llm)
 
 
@@ -364,14 +364,14 @@ def test_lossy_cold_codec_through_vllm(tiny_model, tmp_path, monkeypatch):
     follow_up = history + prompt_of(34, 60)
     plain = baseline(tiny_model, [history, follow_up])[1]
     llm = make_llm(str(tiny_model), nvme_dir=tmp_path / "nvme", extra_config={"cold_codec": "int4-lc"})
-    warnings = scheduler_connector(llm).manager.warnings
+    warnings = scheduler_connector(llm).manager.telemetry.warnings
     assert "2,048 tokens" in warnings["cold_codec_recall"] and "warm_codec_recall" not in warnings
     run(llm, history)
     evict_first_session_to_nvme(llm)
     llm.reset_prefix_cache()
     tiered = run(llm, follow_up)
     manager = scheduler_connector(llm).manager
-    assert manager.counters["hit_nvme_blocks"] > 0 and tiered.num_cached_tokens == plain.num_cached_tokens
+    assert manager.telemetry.counters["hit_nvme_blocks"] > 0 and tiered.num_cached_tokens == plain.num_cached_tokens
     assert list(tiered.outputs[0].token_ids)[:2] == list(plain.outputs[0].token_ids)[:2]
     close(llm)
 
@@ -399,20 +399,20 @@ def test_cost_model_learns_while_serving_and_stops_storing_what_never_pays(tiny_
     llm.reset_prefix_cache()
     run(llm, history)  # loads from DRAM: the mover's timing reaches the model
     assert scheduler.cost._loads and scheduler.cost._loads[-1][0] == 2 * scheduler.cost.dram_block_bytes
-    assert scheduler.manager.counters["rate_refreshes"] >= 1 or refreshed.wait(10)
-    assert scheduler.manager.counters["rate_refreshes"] >= 1
+    assert scheduler.manager.telemetry.counters["rate_refreshes"] >= 1 or refreshed.wait(10)
+    assert scheduler.manager.telemetry.counters["rate_refreshes"] >= 1
     scheduler._stopping.set()  # no more refreshes: the next one would undo the crawling link below
     for thread in [t for t in threading.enumerate() if t.name == "kvtier-rates"]:
         thread.join(timeout=30)  # one measuring now ends first (one engine at a time: the thread is ours)
         assert not thread.is_alive()
     scheduler.cost.refresh_rates(scheduler.cost.rates.capped({"pcie": 1e-6}))  # 1 KB/s
     assert scheduler.cost.break_even_tokens(from_nvme=False) is None
-    stored = scheduler.manager.counters["stored_blocks"]
+    stored = scheduler.manager.telemetry.counters["stored_blocks"]
     fresh = prompt_of(40, 600)
     out = run(llm, fresh)
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens  # served
-    assert scheduler.manager.counters["stored_blocks"] == stored  # not stored
-    assert scheduler.manager.counters["store_skipped_blocks"] == (len(fresh) + GREEDY.max_tokens - 1) // BLOCK
+    assert scheduler.manager.telemetry.counters["stored_blocks"] == stored  # not stored
+    assert scheduler.manager.telemetry.counters["store_skipped_blocks"] == (len(fresh) + GREEDY.max_tokens - 1) // BLOCK
     close(llm)
 
 
@@ -420,7 +420,7 @@ def stored_reach(llm, manager, count: int, timeout_s: float = 60.0) -> None:
     """Step the idle engine until the worker has reported ``count`` stored blocks: it reports the
     stores it finished in a step (an idle step waits in ``get_finished`` for one in flight)."""
     deadline = time.monotonic() + timeout_s
-    while manager.stats()["counters"]["stored_blocks"] < count and time.monotonic() < deadline:
+    while manager.views.stats()["counters"]["stored_blocks"] < count and time.monotonic() < deadline:
         llm.llm_engine.step()
 
 
@@ -442,12 +442,12 @@ def test_a_requests_retention_hint_reaches_its_session(tiny_model, tmp_path):
         assert told[0] is None and "retain_s -1 is out of range" in told[1]  # the client hears why
         manager = scheduler_connector(llm).manager
         stored_reach(llm, manager, 6)  # the second request's stores are reported a step or more later
-        rows = manager.sessions_overview()
+        rows = manager.views.sessions_overview()
         assert len(rows) == 2
         retained = [r for r in rows if r["retain_left_s"] is not None]
         assert len(retained) == 1 and retained[0]["retain_priority"] == 2 and 500 < retained[0]["retain_left_s"] <= 600
-        blocks = manager.session_row_array(manager.session(retained[0]["session_id"]))
-        assert len(blocks) == 3 and manager.stats()["counters"]["stored_blocks"] == 6
-        assert set(manager.index.col["retain"][blocks].tolist()) == {3}  # priority + 1
+        blocks = manager.table.session_row_array(manager.table.session(retained[0]["session_id"]))
+        assert len(blocks) == 3 and manager.views.stats()["counters"]["stored_blocks"] == 6
+        assert set(manager.table.index.col["retain"][blocks].tolist()) == {3}  # priority + 1
     finally:
         close(llm)

@@ -102,7 +102,9 @@ def test_a_hand_edited_figure_fails_the_check(tmp_path, monkeypatch):
     monkeypatch.setattr(render, "README", readme)
     monkeypatch.setattr(render, "ROOT", tmp_path)
     assert render.main(["--check"]) == 0  # what is committed is what the results render
-    docs.write_text(docs.read_text().replace("| figure | measured | target | verdict |\n|---|---|---|---|\n| ",
-                                             "| figure | measured | target | verdict |\n|---|---|---|---|\n| X", 1))
+    edited = docs.read_text().replace("| question | headline figures (target) | targets |\n|---|---|---|\n| ",
+                                      "| question | headline figures (target) | targets |\n|---|---|---|\n| X", 1)
+    assert edited != docs.read_text()
+    docs.write_text(edited)
     assert render.main(["--check"]) == 1
     assert render.main([]) == 0 and render.main(["--check"]) == 0  # rendering mends it

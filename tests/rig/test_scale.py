@@ -71,19 +71,19 @@ def test_a_sessions_page_is_the_full_sort_cut_short(tmp_path):
     admin, engine = demo_admin(tmp_path, 120, churn=False)
     try:
         manager, rng = engine.manager, random.Random(7)
-        ids = list(manager.sessions)
+        ids = list(manager.table.sessions)
         for session_id in ids[:12]:
-            manager.pin(session_id, Tier.DRAM)
+            manager.planner.pin(session_id, Tier.DRAM)
         for session_id in ids[12:30]:
-            engine.execute(manager.evict(session_id, Tier.NVME))
-        for session in rng.sample(list(manager.sessions.values()), 40):
+            engine.execute(manager.planner.evict(session_id, Tier.NVME))
+        for session in rng.sample(list(manager.table.sessions.values()), 40):
             session.last_use = 5.0  # ties keep the sessions' order
             session.hot = rng.random() < 0.3
-        states = {row["state"] for row in manager.sessions_overview()}
+        states = {row["state"] for row in manager.views.sessions_overview()}
         assert {"pinned", "hot", "warm", "cold"} <= states
 
         def full_sort(sort, state, limit):
-            rows = [row for row in manager.sessions_overview() if not state or row["state"] == state]
+            rows = [row for row in manager.views.sessions_overview() if not state or row["state"] == state]
             key = {"bytes": lambda r: r["bytes_dram"] + r["bytes_nvme"]}.get(sort, lambda r: r[sort])
             rows.sort(key=key, reverse=sort in ("last_use", "tokens", "bytes"))
             return [r["session_id"] for r in rows[:limit]], len(rows)

@@ -76,7 +76,7 @@ async def select(pilot, app, session: str) -> None:
 
 
 def manager_session(admin, session: str):
-    return admin.engine.manager.sessions[session]
+    return admin.engine.manager.table.sessions[session]
 
 
 @aio
@@ -106,16 +106,16 @@ async def test_evict_to_nvme_and_drop_with_confirmation(live):
         assert app._row("session-0028").state == "warm"
         await pilot.press("e", "n")
         await settle(pilot, app, live)
-        info = live.engine.manager.session_info("session-0028")
+        info = live.engine.manager.views.session_info("session-0028")
         assert info["blocks_nvme"] == 2 and info["blocks_dram"] == 0
         assert app._row("session-0028").state == "cold"
         await pilot.press("e", "x", "n")  # drop, then "no": nothing happens
         await settle(pilot, app, live)
-        assert "session-0028" in live.engine.manager.sessions
+        assert "session-0028" in live.engine.manager.table.sessions
         await pilot.press("e", "x", "y")  # drop, confirmed
         await settle(pilot, app, live)
         with pytest.raises(NotFoundError):
-            live.engine.manager.session("session-0028")
+            live.engine.manager.table.session("session-0028")
         assert app._row("session-0028") is None
 
 
@@ -124,12 +124,12 @@ async def test_escape_cancels_every_question(live):
     app = make_app(live)
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot, app)
-        before = live.engine.manager.session_info(app.selected_session())
+        before = live.engine.manager.views.session_info(app.selected_session())
         for key in ("p", "e", "s", "r", "slash"):
             await pilot.press(key, "escape")
             assert len(app.screen_stack) == 1, key
         await settle(pilot, app, live)
-        assert live.engine.manager.session_info(before["session_id"]) == {**before, "idle_seconds": pytest.approx(
+        assert live.engine.manager.views.session_info(before["session_id"]) == {**before, "idle_seconds": pytest.approx(
             before["idle_seconds"], abs=30)}
         assert live.ops.jobs == {}
 
@@ -148,13 +148,13 @@ async def test_snapshot_then_restore_after_a_drop(live):
         assert any(j.kind == "snapshot" and j.state == "done" for j in app.snapshot.jobs)
         await pilot.press("e", "x", "y")
         await settle(pilot, app, live)
-        assert "session-0007" not in live.engine.manager.sessions
+        assert "session-0007" not in live.engine.manager.table.sessions
         await pilot.press("r")
         ask = app.screen.query_one("#ask")
         ask.value = str(path)
         await pilot.press("enter")
         await settle(pilot, app, live)
-        assert live.engine.manager.session_info("session-0007")["blocks_dram"] == 2
+        assert live.engine.manager.views.session_info("session-0007")["blocks_dram"] == 2
         assert app._row("session-0007") is not None
 
 

@@ -48,7 +48,7 @@ def test_the_collector_and_the_details_page_show_them(fingerprint, hbm, tmp_path
     try:
         engine.pin("agent", Tier.NVME, for_s=1800)
         with admin.lock:
-            engine.manager.retain("agent", 600, 3)
+            engine.manager.planner.retain("agent", 600, 3)
         snap = Collector(AdminClient(str(tmp_path / "a.sock"))).poll()
         agent = next(r for r in snap.sessions if r.session_id == "agent")
         assert (agent.pin_expires_at, agent.retain_expires_at, agent.retain_priority) == \

@@ -34,15 +34,18 @@ mover threads and publisher, and the scheduler half's lookup thread, make these 
 Credentials never come from the command line: a password in the URL is refused; they come from a
 file (``--shared-auth-file``) or ``KVTIER_SHARED_USERNAME`` / ``KVTIER_SHARED_PASSWORD``.
 
-``SharedStore`` is the facade over its parts: the connection and its health (``client.SharedClient``),
-the keys that sign and verify values (``values.ValueSigner``), the blocks (``blocks.SharedBlocks``)
-and the session entries (``sessions.SessionEntries``).
+``SharedStore`` owns the wiring of its parts, the shared tier's contract the mover uses (``available``,
+``state``, ``problem``, ``counters``, the ``BlockStore`` batches) and ``close``; callers hold the part that
+owns the rest: ``client`` (``SharedClient``: the connection and its health -- ``url``, ``cluster``,
+``ping``, ``measure``, ``server_info``, ``retry_now``), ``signer`` (``ValueSigner``: the keys that sign
+and verify values), ``blocks`` (``SharedBlocks``: ``lengths``, ``stored_prefix``, ``delete_keys``) and
+``sessions`` (``SessionEntries``: ``publish_sessions``, ``session_entry``, ``list_sessions``).
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Iterable, Mapping, Sequence
 
 from kvtier.errors import SharedUnavailable
 from kvtier.tiers.base import BlockStore
@@ -56,8 +59,6 @@ from kvtier.tiers.shared.values import VALUE_PREFIX, ForeignValue, ValueSigner
 
 __all__ = ["SharedConfig", "SharedStore", "SharedUnavailable", "block_key", "parse_shared_url",
            "load_credentials", "SHARED_POLICIES", "VALUE_PREFIX", "ForeignValue"]
-
-T = TypeVar("T")
 
 
 class SharedStore(BlockStore):
@@ -75,10 +76,11 @@ class SharedStore(BlockStore):
         self.blocks = SharedBlocks(self.client, self.signer, rank, config.ttl_s)
         self.sessions = SessionEntries(self.client, self.signer, config.ttl_s)
 
-    # ---- the connection and its health (SharedClient) ------------------------------------------
+    # ---- the shared tier's contract (``kvtier.move.publish.SharedTier``) ---------------------------
     @property
-    def url(self) -> str:
-        return self.client.url
+    def available(self) -> bool:
+        """Whether a call now would be tried (not inside a back-off)."""
+        return self.client.available
 
     @property
     def state(self) -> str:
@@ -91,31 +93,6 @@ class SharedStore(BlockStore):
         return self.client.problem
 
     @property
-    def cluster(self) -> bool:
-        return self.client.cluster
-
-    @property
-    def username(self) -> str | None:
-        return self.client.username
-
-    @property
-    def password(self) -> str | None:
-        return self.client.password
-
-    @property
-    def rtt_s(self) -> float | None:
-        return self.client.rtt_s
-
-    @property
-    def read_bps(self) -> float | None:
-        return self.client.read_bps
-
-    @property
-    def available(self) -> bool:
-        """Whether a call now would be tried (not inside a back-off)."""
-        return self.client.available
-
-    @property
     def counters(self) -> Counter[str]:
         """Every part's counters, summed (a fresh ``Counter``: read it, do not write to it)."""
         total: Counter[str] = Counter()
@@ -123,50 +100,11 @@ class SharedStore(BlockStore):
             total.update(part.counters)
         return total
 
-    def retry_now(self) -> None:
-        """End the back-off at once (the operator fixed the store): the next call is the probe."""
-        self.client.retry_now()
-
-    def _call(self, fn: Callable[[Any], T]) -> T:
-        """``fn(client)`` on the tier's own redis client, under the back-off (``SharedClient.call``)."""
-        return self.client.call(fn)
-
-    def ping(self) -> float:
-        """One round trip, in seconds (raises ``SharedUnavailable``)."""
-        return self.client.ping()
-
-    def measure(self, nbytes: int = 4 << 20, pings: int = 5) -> tuple[float, float]:
-        """(read bytes per second, round trip in seconds): see ``SharedClient.measure``."""
-        return self.client.measure(nbytes, pings)
-
-    def server_info(self) -> dict:
-        """Memory, eviction and key counts as the server reports them (summed over a cluster's nodes)."""
-        return self.client.server_info()
-
     def stats(self) -> dict:
-        return {"url": self.url, "state": self.state, "problem": self.problem, "cluster": self.cluster,
+        client = self.client
+        return {"url": client.url, "state": client.state, "problem": client.problem, "cluster": client.cluster,
                 "counters": dict(self.counters)}
 
-    def close(self) -> None:
-        self.client.close()
-
-    # ---- values (ValueSigner) -------------------------------------------------------------------
-    def _signing_key(self) -> bytes | None:
-        return self.signer.signing_key()
-
-    def encode_value(self, namespace: bytes, key: bytes, payload, codec: str, fingerprint: bytes) -> bytes:
-        """One block as stored: header, its signature, payload (as one bytes object)."""
-        return self.signer.encode_value(namespace, key, payload, codec, fingerprint)
-
-    def value_parts(self, namespace: bytes, key: bytes, payload, codec: str, fingerprint: bytes) -> tuple:
-        """(header and signature, payload view): what ``ZeroCopyPacker`` sends as one value."""
-        return self.signer.value_parts(namespace, key, payload, codec, fingerprint)
-
-    def decode_value(self, value: bytes | None, namespace: bytes, key: bytes, fingerprint: bytes):
-        """The payload and codec of a stored value, after every check (``ForeignValue`` if refused)."""
-        return self.signer.decode_value(value, namespace, key, fingerprint)
-
-    # ---- blocks (SharedBlocks) ------------------------------------------------------------------
     def write_batch(self, blocks: Sequence[tuple[bytes, bytes, Any, str]],
                     fingerprint: bytes) -> list[BaseException | None]:
         """Put ``(namespace, key, payload, codec)`` blocks, one pipeline, each with the TTL."""
@@ -176,30 +114,9 @@ class SharedStore(BlockStore):
         """Get and verify ``(namespace, key, destination)`` blocks, one pipeline (``SharedBlocks.read_batch``)."""
         return self.blocks.read_batch(reads, fingerprint)
 
-    def lengths(self, namespace: bytes, keys: Sequence[bytes], ranks: int = 1) -> list[int]:
-        """Payload bytes of each block as stored, 0 where any rank's shard is missing."""
-        return self.blocks.lengths(namespace, keys, ranks)
-
-    stored_prefix = staticmethod(SharedBlocks.stored_prefix)
-
-    def delete_keys(self, names: Sequence[bytes]) -> int:
-        return self.blocks.delete_keys(names)
-
     def delete_many(self, blocks: Iterable[tuple[bytes, bytes]]) -> int:
         return self.blocks.delete_many(blocks)
 
-    # ---- session entries (SessionEntries) -------------------------------------------------------
-    def publish_sessions(self, fingerprint: bytes, entries: Sequence[dict]) -> int:
-        """Publish session entries: what another box needs to list and restore them."""
-        return self.sessions.publish_sessions(fingerprint, entries)
-
-    def unpublish_session(self, fingerprint: bytes, session_id: str) -> None:
-        self.sessions.unpublish_session(fingerprint, session_id)
-
-    def session_entry(self, fingerprint: bytes, session_id: str) -> dict | None:
-        """A published session (keys as bytes, token ids as a list), or None."""
-        return self.sessions.session_entry(fingerprint, session_id)
-
-    def list_sessions(self, fingerprint: bytes, limit: int = 1000) -> list[dict]:
-        """The sessions published for this model, newest first, without their keys and token ids."""
-        return self.sessions.list_sessions(fingerprint, limit)
+    def close(self) -> None:
+        """Close the connection (whoever opened the store closes it)."""
+        self.client.close()

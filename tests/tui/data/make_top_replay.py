@@ -24,9 +24,9 @@ def main() -> None:
         client = AdminClient(str(Path(tmp) / "admin.sock"))
         with admin.lock:  # a few sessions in the HBM of a running request
             for n in (3, 17):
-                engine.manager.sessions[f"session-{n:04d}"].hot = True
+                engine.manager.table.sessions[f"session-{n:04d}"].hot = True
             # and what vLLM's KV cache events would say its prefix cache holds
-            engine.manager.views.hbm_blocks = lambda: {"session-0003": 4, "session-0017": 9, "session-0008": 2}
+            engine.manager.views.follow_hbm(lambda: {"session-0003": 4, "session-0017": 9, "session-0008": 2})
         client.post(client.session_path("session-0005", "pin"), {"tier": "dram"})
         client.post(client.session_path("session-0011", "pin"), {"tier": "nvme"})
         for n in (21, 22, 23):

@@ -48,7 +48,7 @@ def test_pin_for_a_while(served, given, seconds, said):
     result = runner.invoke(app, ["pin", "agent", "--tier", "nvme", "--for", given, "--socket", sock])
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith(f"pin agent for {said}: done")
-    assert admin.engine.manager.session("agent").pinned == Tier.NVME
+    assert admin.engine.manager.table.session("agent").pinned == Tier.NVME
     listed = json.loads(runner.invoke(app, ["sessions", "--json", "--socket", sock]).stdout)["sessions"][0]
     assert (listed["pin_expires_at"], listed["pin_left_s"]) == (clock.now + seconds, seconds)
 
@@ -57,7 +57,7 @@ def test_inspect_shows_the_time_left(served):
     sock, admin, clock = served
     assert runner.invoke(app, ["pin", "agent", "--for", "30m", "--socket", sock]).exit_code == 0
     with admin.lock:
-        admin.engine.manager.retain("agent", 600, 2)
+        admin.engine.manager.planner.retain("agent", 600, 2)
     clock.advance(60)
     shown = runner.invoke(app, ["inspect", "agent", "--socket", sock], env={"COLUMNS": "200"}).stdout
     assert "dram (29m left)" in shown and "9m left, priority 2" in shown

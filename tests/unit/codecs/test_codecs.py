@@ -260,7 +260,7 @@ def loaded_blocks(engine, hbm, block_ids):
 def test_warm_codec_multiplies_dram_capacity_and_loads_decoded(fingerprint, hbm, tmp_path):
     plain = make_engine(fingerprint, hbm, tmp_path / "a", dram_blocks=8)
     fp8 = make_engine(fingerprint, hbm, tmp_path / "b", dram_blocks=8, warm_codec="fp8")
-    assert fp8.manager.slots.num_slots >= 1.8 * plain.manager.slots.num_slots
+    assert fp8.manager.table.slots.num_slots >= 1.8 * plain.manager.table.slots.num_slots
     ns = namespace_of(fingerprint.digest)
     keys = keys_of(1, 4)
     expected = expected_blocks(fp8, hbm, [0, 1, 2, 3], "fp8")
@@ -268,7 +268,7 @@ def test_warm_codec_multiplies_dram_capacity_and_loads_decoded(fingerprint, hbm,
     assert fp8.load(ns, keys, [20, 21, 22, 23]) == 4
     for got, want in zip(loaded_blocks(fp8, hbm, [20, 21, 22, 23]), expected):
         assert torch.equal(got, want)
-    info = fp8.manager.session_info("s")
+    info = fp8.manager.views.session_info("s")
     assert info["bytes_dram"] == 4 * get_codec("fp8").nbytes_for(fingerprint.geometry)
 
 
@@ -294,7 +294,7 @@ def test_snapshot_with_mixed_codecs_restores_bit_identical(fingerprint, hbm, tmp
     engine = make_engine(fingerprint, hbm, tmp_path / "one", dram_blocks=8, warm_codec="fp8", cold_codec="int8")
     ns = namespace_of(fingerprint.digest)
     keys = keys_of(3, 4)
-    engine.manager.record_session("s", ns, keys, 64, token_ids=list(range(30_000, 30_064)))  # keys_of(3, 4)'s
+    engine.manager.planner.record_session("s", ns, keys, 64, token_ids=list(range(30_000, 30_064)))  # keys_of(3, 4)'s
     engine.store("s", ns, keys[:2], [0, 1])
     engine.evict("s", Tier.NVME)  # blocks 0-1 now int8 on NVMe only
     engine.store("s", ns, keys, [0, 1, 2, 3])  # blocks 2-3 fp8 in DRAM
@@ -308,7 +308,7 @@ def test_snapshot_with_mixed_codecs_restores_bit_identical(fingerprint, hbm, tmp
     # int8 blocks do not fit this engine's int4 warm slots: they are restored to NVMe as they are
     fresh = make_engine(fingerprint, hbm, tmp_path / "two", dram_blocks=8, warm_codec="int4")
     assert fresh.restore(tmp_path / "s.kvts").ok
-    assert fresh.manager.session_info("s")["blocks_nvme"] == 4
+    assert fresh.manager.views.session_info("s")["blocks_nvme"] == 4
     assert fresh.load(ns, keys, [40, 41, 42, 43]) == 4
     for got, want in zip(loaded_blocks(fresh, hbm, [40, 41, 42, 43]), expected):
         assert torch.equal(got, want)
@@ -322,7 +322,7 @@ def test_promote_transcodes_blocks_too_big_for_a_warm_slot(fingerprint, hbm, tmp
     engine.evict("s", Tier.NVME)  # int4 slots -> decoded to raw bf16 on NVMe
     expected = expected_blocks(engine, hbm, [0, 1, 2], "int4", "int4")
     engine.pin("s", Tier.DRAM)  # promote: a raw block does not fit an int4 slot, so it is re-encoded
-    info = engine.manager.session_info("s")
+    info = engine.manager.views.session_info("s")
     assert info["blocks_dram"] == 3
     assert info["bytes_dram"] == 3 * get_codec("int4").nbytes_for(fingerprint.geometry)
     assert engine.load(ns, keys, [50, 51, 52]) == 3
@@ -340,13 +340,13 @@ def test_stats_report_tokens_per_gib_per_tier():
     from kvtier.plan.manager import TierManager
 
     mid = ModelFingerprint("mid", KVGeometry(16, 4, 64, 128, "bfloat16"))  # 2 MiB blocks
-    plain = TierManager(mid, 1 << 30, 1 << 34).stats()
-    packed = TierManager(mid, 1 << 30, 1 << 34, warm_codec="fp8", cold_codec="int4").stats()
+    plain = TierManager(mid, 1 << 30, 1 << 34).views.stats()
+    packed = TierManager(mid, 1 << 30, 1 << 34, warm_codec="fp8", cold_codec="int4").views.stats()
     assert plain["dram"]["tokens_per_gib"] == plain["hbm"]["tokens_per_gib"] == 65536  # 16 KiB per token
     assert packed["dram"]["codec"] == "fp8" and packed["nvme"]["codec"] == "int4"
     assert packed["dram"]["tokens_per_gib"] >= 1.9 * plain["dram"]["tokens_per_gib"]
     assert packed["nvme"]["tokens_per_gib"] >= 3.3 * plain["nvme"]["tokens_per_gib"]
-    fp8_cache = TierManager(ModelFingerprint("mid", KVGeometry(16, 4, 64, 128, "uint8")), 1 << 30).stats()
+    fp8_cache = TierManager(ModelFingerprint("mid", KVGeometry(16, 4, 64, 128, "uint8")), 1 << 30).views.stats()
     assert fp8_cache["hbm"]["tokens_per_gib"] == 2 * plain["hbm"]["tokens_per_gib"]  # vLLM's fp8 KV
 
 

@@ -38,7 +38,7 @@ def test_a_pin_for_a_while_is_shown_and_ends(served):
     assert client.get("/v1/sessions/agent")["pin_left_s"] == 1200
     clock.advance(1200)
     with admin.lock:  # what the connector's periodic pass does (maintenance, or its catalog thread)
-        admin.engine.manager.expire()
+        admin.engine.manager.planner.expire()
     doc = client.get("/v1/sessions/agent")
     assert (doc["pinned"], doc["pin_left_s"], doc["state"]) == (None, None, "warm")
 
@@ -48,7 +48,7 @@ def test_a_pin_without_for_s_has_no_end(served):
     job = client.post(AdminClient.session_path("agent", "pin"), {"tier": "dram"})
     assert job["pin_expires_at"] is None
     admin.drain()
-    assert admin.engine.manager.session("agent").pinned == Tier.DRAM
+    assert admin.engine.manager.table.session("agent").pinned == Tier.DRAM
     assert client.get("/v1/sessions/agent")["pin_left_s"] is None
 
 
@@ -58,13 +58,13 @@ def test_a_pin_for_no_time_or_not_a_number_is_a_400_with_a_hint(served, for_s):
     with pytest.raises(UsageError, match="for_s must be a number of seconds") as caught:
         client.post(AdminClient.session_path("agent", "pin"), {"tier": "dram", "for_s": for_s})
     assert "for_s" in (caught.value.hint or "")
-    assert admin.engine.manager.session("agent").pinned is None  # nothing was planned
+    assert admin.engine.manager.table.session("agent").pinned is None  # nothing was planned
 
 
 def test_a_retention_hint_is_shown_while_live(served):
     client, admin, clock = served
     with admin.lock:  # as the connector does for a request that carries the hint
-        admin.engine.manager.retain("agent", 600, 2)
+        admin.engine.manager.planner.retain("agent", 600, 2)
     doc = client.get("/v1/sessions/agent")
     assert (doc["retain_left_s"], doc["retain_priority"], doc["retain_expires_at"]) == (600, 2, clock.now + 600)
     clock.advance(601)

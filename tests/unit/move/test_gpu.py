@@ -57,7 +57,7 @@ def test_engine_on_cuda_stores_demotes_and_loads(layout, tmp_path):
     dst = torch.arange(32, 40, device="cuda")
     for layer, ref in zip(hbm, reference):
         assert torch.equal(layer.index_select(dim, dst), ref.index_select(dim, src))
-    assert engine.mover.link_bytes["hbm->dram"] == 8 * GEOMETRY.block_bytes
+    assert engine.mover.links.counts["hbm->dram"] == 8 * GEOMETRY.block_bytes
 
 
 @pytest.mark.parametrize("spec", ["fp8", "int8", "int4", "int4-lc", "fp8+zstd"])

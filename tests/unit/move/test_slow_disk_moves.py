@@ -32,12 +32,12 @@ def make_engine(tmp_path) -> tuple[TierEngine, list[torch.Tensor], bytes]:
 def test_an_nvme_load_reports_what_it_read_and_how_long_it_took(tmp_path):
     eng, _layers, ns = make_engine(tmp_path)
     eng.evict("s", Tier.NVME)
-    job = eng.manager.prepare_load(eng.manager.lookup(ns, KEYS), [4, 5, 6, 7])
+    job = eng.manager.prepare_load(eng.manager.table.lookup(ns, KEYS), [4, 5, 6, 7])
     assert job is not None and all(move.from_nvme for move in job.moves)
     result = eng.execute(job)
     assert result.ok and result.nvme_read_s > 0
     assert result.nvme_read_bytes == sum(move.nbytes for move in job.moves) > 0
-    again = eng.execute(eng.manager.prepare_load(eng.manager.lookup(ns, KEYS), [4, 5, 6, 7]))
+    again = eng.execute(eng.manager.prepare_load(eng.manager.table.lookup(ns, KEYS), [4, 5, 6, 7]))
     assert again.ok and again.nvme_read_bytes == 0 and again.nvme_read_s == 0  # from DRAM now: no disk read
     eng.close(write_back=False)
 
@@ -58,24 +58,24 @@ def test_held_disk_writes_never_queue_a_load(tmp_path):
 
     eng.nvme.write_batch = stuck_write
     try:
-        writes = [eng.manager.flush(session) for session in ("s", "t")]
+        writes = [eng.manager.pressure.flush(session) for session in ("s", "t")]
         assert all(job is not None and job.kind in DISK_WRITES for job in writes)
-        writing = [eng.mover.submit(job) for job in writes]
+        writing = [eng.mover.jobs.submit(job) for job in writes]
         assert entered.acquire(timeout=60)  # the first write is on the disk
-        load = eng.manager.prepare_load(eng.manager.lookup(ns, KEYS), [4, 5, 6, 7])
+        load = eng.manager.prepare_load(eng.manager.table.lookup(ns, KEYS), [4, 5, 6, 7])
         assert load is not None and load.kind == JobKind.LOAD
-        eng.mover.submit(load).result(timeout=60)  # ran although the disk holds every write
+        eng.mover.jobs.submit(load).result(timeout=60)  # ran although the disk holds every write
         assert not any(future.done() for future in writing)
     finally:
         hold.set()
     for future in writing:
         future.result(timeout=60)
-    for result in eng.mover.poll():
+    for result in eng.mover.jobs.poll():
         assert result.ok
         eng.manager.complete(result)
     out, ref = (torch.empty((4, *GEOMETRY.block_shape), dtype=torch.bfloat16) for _ in range(2))
-    eng.mover.adapter.gather(layers, [4, 5, 6, 7], out)
-    eng.mover.adapter.gather(layers, [0, 1, 2, 3], ref)
+    eng.mover.copies.adapter.gather(layers, [4, 5, 6, 7], out)
+    eng.mover.copies.adapter.gather(layers, [0, 1, 2, 3], ref)
     assert torch.equal(out, ref)
     eng.close(write_back=False)
 

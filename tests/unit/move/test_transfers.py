@@ -47,7 +47,7 @@ def held_copy_thread(eng: TierEngine) -> threading.Event:
 
 def finish(eng: TierEngine) -> list[JobResult]:
     eng.mover.jobs.copy_pool.submit(lambda: None).result(10)  # everything queued before it is done
-    results = eng.mover.poll()
+    results = eng.mover.jobs.poll()
     for result in results:
         eng.manager.complete(result)
     return results
@@ -57,24 +57,24 @@ def test_stores_are_queued_and_the_step_never_waits_for_them(tmp_path):
     layers = kv_layers(1)
     eng = engine(tmp_path, "a", layers)
     ns = namespace_of(eng.fingerprint.digest)
-    eng.manager.record_session("s", ns, KEYS, 64)
+    eng.manager.planner.record_session("s", ns, KEYS, 64)
     job = eng.manager.prepare_store("s", ns, KEYS, [0, 1, 2, 3])
     hold = held_copy_thread(eng)
-    eng.mover.step.active = True
+    eng.mover.stream.step.active = True
     try:
-        eng.mover.submit_stores([job])  # returns although no copy can run
-        assert eng.mover.in_flight([job.job_id]) == [job.job_id]
-        assert eng.mover.poll() == []
+        eng.mover.jobs.submit_stores([job])  # returns although no copy can run
+        assert eng.mover.jobs.in_flight([job.job_id]) == [job.job_id]
+        assert eng.mover.jobs.poll() == []
     finally:
-        eng.mover.step.active = False
+        eng.mover.stream.step.active = False
         hold.set()
     [result] = finish(eng)
-    assert result.ok and eng.mover.step_syncs == 0
+    assert result.ok and eng.mover.stream.syncs == 0
     out = torch.empty((4, *GEOMETRY.block_shape), dtype=torch.bfloat16)
     assert eng.load(ns, KEYS, [4, 5, 6, 7]) == 4
-    eng.mover.adapter.gather(layers, [4, 5, 6, 7], out)
+    eng.mover.copies.adapter.gather(layers, [4, 5, 6, 7], out)
     ref = torch.empty_like(out)
-    eng.mover.adapter.gather(layers, [0, 1, 2, 3], ref)
+    eng.mover.copies.adapter.gather(layers, [0, 1, 2, 3], ref)
     assert torch.equal(out, ref)  # stored then loaded bit for bit
     eng.close(write_back=False)
 
@@ -83,41 +83,41 @@ def test_a_read_of_a_slot_waits_for_its_store_on_a_mover_thread(tmp_path):
     layers = kv_layers(2)
     eng = engine(tmp_path, "a", layers)
     ns = namespace_of(eng.fingerprint.digest)
-    eng.manager.record_session("s", ns, KEYS[:1], 16)
+    eng.manager.planner.record_session("s", ns, KEYS[:1], 16)
     store = eng.manager.prepare_store("s", ns, KEYS[:1], [0])
     slot = store.moves[0].dram_slot
     hold = held_copy_thread(eng)
-    eng.mover.step.active = True
-    eng.mover.submit_stores([store])
+    eng.mover.stream.step.active = True
+    eng.mover.jobs.submit_stores([store])
     # a load reading the same slot, submitted right after (the manager never plans one while the
     # store is pending; the fence makes the mover safe even if something did)
     load = Job(job_id=10_000, kind=JobKind.LOAD, moves=[BlockMove(row=-1, namespace=ns, key=KEYS[0], dram_slot=slot,
                                                                   nbytes=GEOMETRY.block_bytes, device_block=5)])
-    loaded = eng.mover.submit(load)
-    eng.mover.step.active = False
+    loaded = eng.mover.jobs.submit(load)
+    eng.mover.stream.step.active = False
     assert not loaded.done()  # waiting for the store's fence, on a mover thread
     hold.set()
     loaded.result(10)
     assert torch.equal(layers[0][5], layers[0][0]) and torch.equal(layers[1][5], layers[1][0])
-    assert eng.mover.step_syncs == 0
+    assert eng.mover.stream.syncs == 0
     eng.close(write_back=False)
 
 
 def test_a_wait_on_the_step_path_is_counted(tmp_path):
     eng = engine(tmp_path, "a", kv_layers(3))
     ns = namespace_of(eng.fingerprint.digest)
-    eng.manager.record_session("s", ns, KEYS[:2], 32)
+    eng.manager.planner.record_session("s", ns, KEYS[:2], 32)
     job = eng.manager.prepare_store("s", ns, KEYS[:2], [0, 1])
-    eng.mover.step.active = True
-    eng.manager.complete(eng.mover.run(job))  # synchronous mode: the step waits for the copy
-    assert eng.mover.step_syncs == 1
+    eng.mover.stream.step.active = True
+    eng.manager.complete(eng.mover.jobs.run(job))  # synchronous mode: the step waits for the copy
+    assert eng.mover.stream.syncs == 1
     job = eng.manager.prepare_store("s", ns, KEYS[2:4], [2, 3])
     hold = held_copy_thread(eng)
-    eng.mover.submit_stores([job])
+    eng.mover.jobs.submit_stores([job])
     threading.Timer(0.2, hold.set).start()
-    assert eng.mover.wait_jobs([job.job_id]) == 1  # a preemption fence on a running store
-    assert eng.mover.step_syncs == 2
-    eng.mover.step.active = False
+    assert eng.mover.jobs.wait_jobs([job.job_id]) == 1  # a preemption fence on a running store
+    assert eng.mover.stream.syncs == 2
+    eng.mover.stream.step.active = False
     finish(eng)
     eng.close(write_back=False)
 
@@ -156,16 +156,16 @@ def test_each_rank_snapshots_its_own_shard_and_restores_only_at_its_tp_size(tmp_
     assert [i.fingerprint.rank for i in infos] == [0, 1] and infos[0].fingerprint.engine == infos[1].fingerprint.engine
     restored = [engine(tmp_path, f"q{r}", kv_layers(20 + r), shards=2, rank=r) for r in range(2)]
     for r, eng in enumerate(restored):
-        result = eng.execute(eng.manager.prepare_restore(open_snapshot(path)))
+        result = eng.execute(eng.manager.planner.prepare_restore(open_snapshot(path)))
         assert result.ok, result.error
         assert eng.load(ns, KEYS, [4, 5, 6, 7]) == 4
         got, want = (torch.empty((4, *GEOMETRY.block_shape), dtype=torch.bfloat16) for _ in range(2))
-        eng.mover.adapter.gather(eng.mover.kv_layers, [4, 5, 6, 7], got)
-        ranks[r].mover.adapter.gather(ranks[r].mover.kv_layers, [0, 1, 2, 3], want)
+        eng.mover.copies.adapter.gather(eng.mover.copies.kv_layers, [4, 5, 6, 7], got)
+        ranks[r].mover.copies.adapter.gather(ranks[r].mover.copies.kv_layers, [0, 1, 2, 3], want)
         assert torch.equal(got, want)  # each rank got its own shard back
     single = engine(tmp_path, "one", kv_layers(30))
     with pytest.raises(FingerprintMismatchError, match="tensor-parallel"):
-        single.manager.prepare_restore(open_snapshot(path))
+        single.manager.planner.prepare_restore(open_snapshot(path))
     for eng in [*ranks, *restored, single]:
         eng.close(write_back=False)
 
@@ -182,7 +182,7 @@ def test_a_sharded_snapshot_missing_a_rank_file_is_refused(tmp_path):
     assert not os.path.exists(f"{tmp_path / 's.kvsnap'}.rank1")
     fresh = engine(tmp_path, "f", kv_layers(41), shards=2, rank=0)
     with pytest.raises(FingerprintMismatchError, match="rank-1 shard"):
-        fresh.manager.prepare_restore(open_snapshot(tmp_path / "s.kvsnap"))
+        fresh.manager.planner.prepare_restore(open_snapshot(tmp_path / "s.kvsnap"))
     eng.close(write_back=False)
     fresh.close(write_back=False)
 
@@ -306,13 +306,14 @@ def test_every_rank_checks_its_own_shard_is_signed(tmp_path):
                           file_len).ljust(64, b"\0")
     open(rank1, "wb").write(bytes(data))
     restored = [engine(tmp_path, f"q{r}", kv_layers(60 + r), shards=2, rank=r) for r in range(2)]
-    results = [eng.execute(eng.manager.prepare_restore(open_snapshot(path), require_signed=True)) for eng in restored]
+    results = [eng.execute(eng.manager.planner.prepare_restore(open_snapshot(path), require_signed=True))
+               for eng in restored]
     assert results[0].ok and not results[1].ok
     assert "rank 1" in results[1].error and "not signed" in results[1].error
     refused = restored[1].manager  # its failed job gave back every slot and row it had planned
-    assert refused.slots.free_slots == refused.slots.num_slots and refused.lookup(ns, KEYS) == []
+    assert refused.table.slots.free_slots == refused.table.slots.num_slots and refused.table.lookup(ns, KEYS) == []
     again = engine(tmp_path, "u1", kv_layers(70), shards=2, rank=1)  # the operator vouches: it restores
-    assert again.execute(again.manager.prepare_restore(open_snapshot(path), require_signed=False)).ok
+    assert again.execute(again.manager.planner.prepare_restore(open_snapshot(path), require_signed=False)).ok
     for eng in [*ranks, *restored, again]:
         eng.close(write_back=False)
 
@@ -357,20 +358,20 @@ def test_write_behind_skips_reused_slots_and_keeps_the_disks_health():
         old, new = (BlockMove(row=i, namespace=b"ns", key=k, dram_slot=i, nbytes=64) for i, k in enumerate(KEYS[:2]))
         mover.ledger.own(old)
         mover.ledger.own(new)
-        assert mover.dirty_due(5) == 0
+        assert mover.ledger.due_count(5) == 0
         clock.advance(5)
-        assert mover.dirty_due(5) == 2
-        mover.forget_slots([0])  # the manager freed slot 0: its block is never written behind
+        assert mover.ledger.due_count(5) == 2
+        mover.ledger.forget([0])  # the manager freed slot 0: its block is never written behind
         disk.broken = True
-        written, error = mover.write_behind(5)
+        written, error = mover.behind.write_behind(5)
         assert written == [] and "read-only" in error
-        assert mover.disk.failing and mover.disk.failed_within(1) and mover.dirty_due(5) == 1
+        assert mover.disk.failing and mover.disk.failed_within(1) and mover.ledger.due_count(5) == 1
         disk.broken = False
         clock.advance(60)
-        written, error = mover.write_behind(5)
+        written, error = mover.behind.write_behind(5)
         assert error is None and written == [(b"ns", KEYS[1], 64, "none")]
         assert not mover.disk.failing and not mover.disk.failed_within(35)
-        assert list(disk.blocks) == [(b"ns", KEYS[1])] and mover.dirty == {}
-        assert mover.link_bytes["dram->nvme"] == 64
+        assert list(disk.blocks) == [(b"ns", KEYS[1])] and mover.ledger.dirty == {}
+        assert mover.links.counts["dram->nvme"] == 64
     finally:
         mover.close()

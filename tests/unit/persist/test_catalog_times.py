@@ -29,8 +29,8 @@ def open_manager(fingerprint, tmp_path, clock) -> TierManager:
 
 
 def close(manager: TierManager) -> None:
-    manager.sync_catalog()
-    manager.catalog.close()
+    manager.catalog_log.sync_catalog()
+    manager.catalog_log.catalog.close()
 
 
 def meta_of(fingerprint, tmp_path, session_id: str) -> bytes:
@@ -42,18 +42,18 @@ def meta_of(fingerprint, tmp_path, session_id: str) -> bytes:
 def test_a_timed_pin_and_a_retention_hint_survive_a_restart(fingerprint, tmp_path, clock):
     manager = open_manager(fingerprint, tmp_path, clock)
     ns = namespace_of(fingerprint.digest)
-    manager.record_session("agent", ns, chain_block_hashes(list(range(4 * BT)), BT), 4 * BT)
-    manager.pin("agent", Tier.NVME, for_s=3600)
-    manager.retain("agent", 600, 3)
+    manager.planner.record_session("agent", ns, chain_block_hashes(list(range(4 * BT)), BT), 4 * BT)
+    manager.planner.pin("agent", Tier.NVME, for_s=3600)
+    manager.planner.retain("agent", 600, 3)
     close(manager)
     clock.advance(300)  # a restart five minutes later
     manager = open_manager(fingerprint, tmp_path, clock)
-    info = manager.session_info("agent")
+    info = manager.views.session_info("agent")
     assert (info["pinned"], info["pin_expires_at"], info["pin_left_s"]) == ("nvme", clock.now + 3300, 3300)
     assert (info["retain_left_s"], info["retain_priority"]) == (300, 3)
     clock.advance(3300)  # and they still end on time after it
-    assert manager.expire() == ["agent"]
-    info = manager.session_info("agent")
+    assert manager.planner.expire() == ["agent"]
+    info = manager.views.session_info("agent")
     assert (info["pinned"], info["retain_left_s"]) == (None, None)
     close(manager)
 
@@ -61,20 +61,20 @@ def test_a_timed_pin_and_a_retention_hint_survive_a_restart(fingerprint, tmp_pat
 def test_an_expired_pin_found_at_start_is_dropped(fingerprint, tmp_path, clock):
     manager = open_manager(fingerprint, tmp_path, clock)
     ns = namespace_of(fingerprint.digest)
-    manager.record_session("agent", ns, chain_block_hashes(list(range(2 * BT)), BT), 2 * BT)
-    manager.pin("agent", Tier.DRAM, for_s=60)
-    manager.retain("agent", 60, 2)
+    manager.planner.record_session("agent", ns, chain_block_hashes(list(range(2 * BT)), BT), 2 * BT)
+    manager.planner.pin("agent", Tier.DRAM, for_s=60)
+    manager.planner.retain("agent", 60, 2)
     close(manager)
     clock.advance(120)  # the server was down when both ended
     manager = open_manager(fingerprint, tmp_path, clock)
-    agent = manager.session("agent")
+    agent = manager.table.session("agent")
     assert (agent.pinned, agent.pin_expires, agent.retain_until) == (None, None, None)
-    assert manager.counters["pins_expired"] == 1
-    assert manager.session_info("agent")["state"] != "pinned"
+    assert manager.telemetry.counters["pins_expired"] == 1
+    assert manager.views.session_info("agent")["state"] != "pinned"
     close(manager)  # and the catalog forgets them: the row is back in the old format
     assert len(meta_of(fingerprint, tmp_path, "agent")) == OLD_META.size + 8
     manager = open_manager(fingerprint, tmp_path, clock)
-    assert manager.session("agent").pinned is None
+    assert manager.table.session("agent").pinned is None
     close(manager)
 
 
@@ -90,11 +90,12 @@ def test_a_row_of_the_old_format_still_loads_with_no_time_limit(fingerprint, tmp
         db.execute("INSERT INTO namespaces (id, namespace) VALUES (1, ?)", (ns,))
         db.execute("INSERT INTO sessions VALUES (?, 1, ?, ?)", ("old-agent", keys, fields + struct.pack("<Q", crc)))
     manager = open_manager(fingerprint, tmp_path, clock)
-    assert manager.catalog.bad_rows == 0
-    agent = manager.session("old-agent")
+    assert manager.catalog_log.catalog.bad_rows == 0
+    agent = manager.table.session("old-agent")
     assert (agent.pinned, agent.pin_expires, agent.retain_until, agent.num_tokens) == (Tier.NVME, None, None, 3 * BT)
     clock.advance(10 * 365 * 86400)
-    assert manager.expire() == [] and manager.session("old-agent").pinned == Tier.NVME  # pinned until unpinned
+    assert manager.planner.expire() == []
+    assert manager.table.session("old-agent").pinned == Tier.NVME  # pinned until unpinned
     close(manager)
 
 

@@ -34,7 +34,7 @@ def store(engine, session_id: str, seed: int, blocks: int, first_hbm: int = 0) -
     tokens = tokens_of(seed, blocks)
     keys = chain_block_hashes(tokens, BT)
     ns = namespace_of(engine.fingerprint.digest)
-    engine.manager.record_session(session_id, ns, keys, len(tokens), token_ids=tokens)
+    engine.manager.planner.record_session(session_id, ns, keys, len(tokens), token_ids=tokens)
     engine.store(session_id, ns, keys, list(range(first_hbm, first_hbm + blocks)), len(tokens))
     return keys
 
@@ -58,7 +58,7 @@ def loads(engine, keys, first_hbm: int = 40) -> int:
 
 
 def states(engine) -> dict[str, str]:
-    return {row["session_id"]: row["state"] for row in engine.manager.sessions_overview()}
+    return {row["session_id"]: row["state"] for row in engine.manager.views.sessions_overview()}
 
 
 # ---- the catalog across a restart ---------------------------------------------------------------
@@ -75,12 +75,12 @@ def test_sessions_pins_and_tokens_survive_a_restart(fingerprint, hbm, tmp_path):
     # 1. every session is listed at once, with its pin; the DRAM-only one lost its blocks (no
     #    write-behind ran) and says so instead of pretending
     assert states(engine) == {"pinned": "pinned", "warm": "gone", "cold": "cold"}
-    info = {row["session_id"]: row for row in engine.manager.sessions_overview()}
+    info = {row["session_id"]: row for row in engine.manager.views.sessions_overview()}
     assert info["pinned"]["pinned"] == "nvme" and info["pinned"]["blocks_nvme"] == 4
     assert info["warm"]["blocks_missing"] == 4 and info["cold"]["blocks_missing"] == 0
     # 2. the pin still protects the blocks: they are never dropped
-    rows = engine.manager.session_rows(engine.manager.session("pinned"))
-    assert set(engine.manager.index.col["pin"][rows].tolist()) == {Tier.NVME}
+    rows = engine.manager.table.session_rows(engine.manager.table.session("pinned"))
+    assert set(engine.manager.table.index.col["pin"][rows].tolist()) == {Tier.NVME}
     # 3. the next turns load, bit for bit
     assert loads(engine, pinned) == 4 and loads(engine, cold, 50) == 4 and loads(engine, warm) == 0
     assert all(torch.equal(layer[40:44], ref[0:4]) for layer, ref in zip(hbm, reference))
@@ -96,19 +96,19 @@ def test_write_behind_makes_dram_blocks_survive_a_crash(fingerprint, hbm, tmp_pa
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     keys = store(engine, "agent", 1, 6)
     # 1. fresh blocks are dirty; a 10 s window writes none of them yet
-    dirty = engine.manager.dirty_stats()
+    dirty = engine.manager.views.dirty_stats()
     assert dirty["dirty_blocks"] == 6 and dirty["dirty_bytes"] == 6 * fingerprint.geometry.block_bytes
     assert engine.write_behind(max_age_s=10) == 0
     # 2. once due, they get an NVMe copy and stay in DRAM (a load still comes from DRAM)
     assert engine.write_behind(max_age_s=0) == 6
     ns = namespace_of(fingerprint.digest)
-    rows = [engine.manager.index.row_of(ns, k) for k in keys]
-    assert all(engine.manager.index.col["flags"][r] & (IN_DRAM | IN_NVME) == IN_DRAM | IN_NVME for r in rows)
-    assert engine.manager.dirty_stats()["dirty_blocks"] == 0
-    assert engine.manager.stats()["nvme"]["used_bytes"] == engine.nvme.used_bytes
+    rows = [engine.manager.table.index.row_of(ns, k) for k in keys]
+    assert all(engine.manager.table.index.col["flags"][r] & (IN_DRAM | IN_NVME) == IN_DRAM | IN_NVME for r in rows)
+    assert engine.manager.views.dirty_stats()["dirty_blocks"] == 0
+    assert engine.manager.views.stats()["nvme"]["used_bytes"] == engine.nvme.used_bytes
     # 3. nothing is written twice
     assert engine.write_behind(max_age_s=0) == 0
-    engine.manager.sync_catalog()
+    engine.manager.catalog_log.sync_catalog()
     # 4. a crash: no write-back, no final catalog write; all of it comes back
     engine.mover.close()
     engine.catalog.close()
@@ -123,14 +123,14 @@ def test_write_behind_never_writes_a_slot_the_manager_gave_away(fingerprint, hbm
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     keys = store(engine, "gone", 1, 3)
     engine.evict("gone", None)  # dropped: its slots are freed and the mover forgets them
-    assert engine.mover.dirty == {}
+    assert engine.mover.ledger.dirty == {}
     assert engine.write_behind(max_age_s=0) == 0
     assert engine.nvme.num_blocks == 0
     # a write that raced a drop (the worker wrote it just before it heard) is deleted again
     ns = namespace_of(fingerprint.digest)
     payload = torch.zeros(fingerprint.geometry.block_bytes, dtype=torch.uint8)
     engine.nvme.write(ns, keys[0], payload, fingerprint.digest)
-    job = engine.manager.note_written_behind([(ns, keys[0], len(payload), "none")])
+    job = engine.manager.pressure.note_written_behind([(ns, keys[0], len(payload), "none")])
     assert job is not None and job.kind == JobKind.DROP
     engine.execute(job)
     assert engine.nvme.num_blocks == 0
@@ -143,19 +143,19 @@ def test_pinned_sessions_are_written_through_as_they_grow(fingerprint, hbm, tmp_
     engine.pin("agent", Tier.DRAM)
     keys = store(engine, "agent", 1, 5)  # the session grows by three blocks
     ns = namespace_of(fingerprint.digest)
-    rows = [engine.manager.index.row_of(ns, k) for k in keys]
-    col = engine.manager.index.col
+    rows = [engine.manager.table.index.row_of(ns, k) for k in keys]
+    col = engine.manager.table.index.col
     assert all(col["flags"][r] & IN_NVME for r in rows)  # durable
     assert all(col["pin"][r] == Tier.DRAM for r in rows)  # and the new blocks are pinned too
     engine = restart(engine, fingerprint, hbm, tmp_path, dram_blocks=32)
     # a DRAM pin comes back as a pin; its blocks load from NVMe on first use and then stay in DRAM
     assert states(engine) == {"agent": "pinned"}
-    assert engine.manager.session("agent").pinned == Tier.DRAM
+    assert engine.manager.table.session("agent").pinned == Tier.DRAM
     assert loads(engine, keys) == 5
-    rows = [engine.manager.index.row_of(ns, k) for k in keys]
-    assert all(engine.manager.index.col["flags"][r] & IN_DRAM for r in rows)
+    rows = [engine.manager.table.index.row_of(ns, k) for k in keys]
+    assert all(engine.manager.table.index.col["flags"][r] & IN_DRAM for r in rows)
     engine.maintain(force=True)
-    assert all(engine.manager.index.col["flags"][r] & IN_DRAM for r in rows)  # never demoted
+    assert all(engine.manager.table.index.col["flags"][r] & IN_DRAM for r in rows)  # never demoted
     engine.close()
 
 
@@ -165,9 +165,9 @@ def test_flush_writes_every_dirty_block_and_keeps_dram(fingerprint, hbm, tmp_pat
     store(engine, "b", 2, 2, 3)
     result = engine.flush()
     assert result is not None and result.ok and result.kind == JobKind.FLUSH
-    assert engine.manager.dirty_stats()["dirty_blocks"] == 0
-    assert engine.manager.counters["flushed_blocks"] == 5
-    assert engine.manager.stats()["dram"]["blocks"] == 5 and engine.nvme.num_blocks == 5
+    assert engine.manager.views.dirty_stats()["dirty_blocks"] == 0
+    assert engine.manager.telemetry.counters["flushed_blocks"] == 5
+    assert engine.manager.views.stats()["dram"]["blocks"] == 5 and engine.nvme.num_blocks == 5
     assert engine.flush() is None  # nothing left to do
     engine.close()
 
@@ -199,17 +199,17 @@ def seeded(fingerprint, hbm, tmp_path):
 def reopen_and_check(fingerprint, hbm, tmp_path, keys, *, listed: bool, warning: str | None):
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     try:
-        assert ("agent" in engine.manager.sessions) == listed
+        assert ("agent" in engine.manager.table.sessions) == listed
         if warning:
-            assert warning in engine.manager.warnings.get("catalog", ""), engine.manager.warnings
+            assert warning in engine.manager.telemetry.warnings.get("catalog", ""), engine.manager.telemetry.warnings
         # whatever the catalog said, the blocks themselves are verified and still load
         assert loads(engine, keys) == 3
         store(engine, "next", 5, 1)  # and the new catalog takes writes
-        engine.manager.sync_catalog()
+        engine.manager.catalog_log.sync_catalog()
     finally:
         engine.close()
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
-    assert "next" in engine.manager.sessions
+    assert "next" in engine.manager.table.sessions
     engine.close()
 
 
@@ -255,8 +255,8 @@ def test_a_damaged_row_is_skipped_not_misread(fingerprint, hbm, tmp_path):
         db.execute("INSERT INTO sessions SELECT 'forged', ns, keys, meta FROM sessions WHERE session_id = 'agent'")
         db.execute("UPDATE tokens SET data = zeroblob(8) WHERE session_id = 'agent'")
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
-    assert set(engine.manager.sessions) == {"agent"}
-    assert "1 damaged rows skipped" in engine.manager.warnings["catalog"]
+    assert set(engine.manager.table.sessions) == {"agent"}
+    assert "1 damaged rows skipped" in engine.manager.telemetry.warnings["catalog"]
     # token ids that fail their checksum are not used: the snapshot carries none rather than wrong ones
     engine.snapshot("agent", tmp_path / "a.kvsnap")
     from kvtier.persist.snapshot import open_snapshot
@@ -298,11 +298,11 @@ def test_catalog_reads_many_sessions_without_splitting_their_keys(fingerprint, t
     catalog.close()
     catalog = Catalog(tmp_path, fingerprint)
     manager = TierManager(fingerprint, 1 << 20, catalog=catalog)
-    assert len(manager.sessions) == 2000 and manager.session("s7")._keys is None  # not split yet
-    read_back = manager.session("s7")  # built field by field at start-up: none may be missing
+    assert len(manager.table.sessions) == 2000 and manager.table.session("s7")._keys is None  # not split yet
+    read_back = manager.table.session("s7")  # built field by field at start-up: none may be missing
     assert all(hasattr(read_back, name) for name in type(read_back).__slots__)
-    assert manager.session_info("s7")["blocks"] == 8 and manager.session_info("s7")["state"] == "gone"
-    assert len(manager.session("s7").keys) == 8
+    assert manager.views.session_info("s7")["blocks"] == 8 and manager.views.session_info("s7")["state"] == "gone"
+    assert len(manager.table.session("s7").keys) == 8
     catalog.close()
 
 
@@ -351,12 +351,12 @@ def test_write_behind_setting_is_checked():
 def test_dirty_age_grows_until_written(fingerprint, hbm, tmp_path):
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     store(engine, "a", 1, 2)
-    col = engine.manager.index.col
-    col["dirty_since"][:] = np.float32(engine.manager.index.now() - 30)  # as if stored 30 s ago
-    assert engine.manager.dirty_stats()["dirty_age_s"] >= 29
+    col = engine.manager.table.index.col
+    col["dirty_since"][:] = np.float32(engine.manager.table.index.now() - 30)  # as if stored 30 s ago
+    assert engine.manager.views.dirty_stats()["dirty_age_s"] >= 29
     engine.write_behind(0)
-    assert engine.manager.dirty_stats() == {"dirty_blocks": 0, "dirty_bytes": 0, "dirty_age_s": 0.0,
-                                            "storing_blocks": 0}
+    assert engine.manager.views.dirty_stats() == {"dirty_blocks": 0, "dirty_bytes": 0, "dirty_age_s": 0.0,
+                                                  "storing_blocks": 0}
     engine.close()
 
 
@@ -369,14 +369,15 @@ def test_a_failing_disk_stops_write_behind_with_a_warning_until_it_recovers(fing
     store(engine, "later0", 3, 3)
     break_disk(tmp_path / "nvme")  # every commit now fails for real
     assert engine.write_behind(0) == 0
-    assert "nvme" in engine.manager.warnings and engine.manager.counters["write_behind_failures"] == 1
-    assert engine.manager.dirty_stats()["dirty_blocks"] == 3  # still in DRAM, still owed to the disk
+    telemetry = engine.manager.telemetry
+    assert "nvme" in telemetry.warnings and telemetry.counters["write_behind_failures"] == 1
+    assert engine.manager.views.dirty_stats()["dirty_blocks"] == 3  # still in DRAM, still owed to the disk
     heal_disk(tmp_path / "nvme")
-    assert engine.write_behind(0) == 3 and engine.manager.dirty_stats()["dirty_blocks"] == 0
-    assert "nvme" in engine.manager.warnings  # one write that slips through does not end it at once...
+    assert engine.write_behind(0) == 3 and engine.manager.views.dirty_stats()["dirty_blocks"] == 0
+    assert "nvme" in engine.manager.telemetry.warnings  # one write that slips through does not end it at once...
     clock.advance(1.05)  # ...a write after the back-off (1 s after a first failure) does
     store(engine, "later", 2, 1, 5)
-    assert engine.write_behind(0) == 1 and "nvme" not in engine.manager.warnings
+    assert engine.write_behind(0) == 1 and "nvme" not in engine.manager.telemetry.warnings
     engine.close()
 
 
@@ -385,11 +386,11 @@ def test_a_wiped_nvme_dir_is_recreated_with_its_catalog(fingerprint, hbm, tmp_pa
 
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     keys = store(engine, "agent", 1, 3)
-    engine.manager.sync_catalog()
+    engine.manager.catalog_log.sync_catalog()
     shutil.rmtree(tmp_path / "nvme")  # blocks, catalog and its lock file: all gone under the server
     assert engine.write_behind(0) == 3  # the DRAM copies are written to a new directory...
-    assert "nvme_lost" in engine.manager.warnings  # ...and the operator is told what was lost
-    assert engine.manager.sync_catalog() and engine.catalog.recreated == 1
+    assert "nvme_lost" in engine.manager.telemetry.warnings  # ...and the operator is told what was lost
+    assert engine.manager.catalog_log.sync_catalog() and engine.catalog.recreated == 1
     assert held_locks(tmp_path / "nvme") == [(engine.catalog.path.with_suffix(".lock"), str(os.getpid()))]
     engine = restart(engine, fingerprint, hbm, tmp_path, dram_blocks=32)
     assert states(engine) == {"agent": "cold"} and loads(engine, keys) == 3
@@ -407,13 +408,13 @@ def test_the_disk_probe_tells_a_failing_disk_from_a_healed_one(fingerprint, hbm,
     error = engine.nvme.probe()
     assert error and "does not take writes" in error
     # the manager hears it like a failed write, and the probe that succeeds later like a good one
-    engine.execute(engine.manager.note_written_behind([], error))
-    assert "nvme" in engine.manager.warnings
+    engine.execute(engine.manager.pressure.note_written_behind([], error))
+    assert "nvme" in engine.manager.telemetry.warnings
     heal_disk(tmp_path / "nvme")
     assert engine.nvme.probe() is None
     clock.advance(1.05)  # past the back-off
-    engine.execute(engine.manager.note_written_behind([], None, disk_ok=True))
-    assert "nvme" not in engine.manager.warnings
+    engine.execute(engine.manager.pressure.note_written_behind([], None, disk_ok=True))
+    assert "nvme" not in engine.manager.telemetry.warnings
     engine.close()
 
 
@@ -425,7 +426,7 @@ def test_a_wiped_nvme_dir_is_noticed_even_with_nothing_to_write(fingerprint, hbm
     engine.flush()  # every block is on NVMe: write-behind has nothing to write
     shutil.rmtree(tmp_path / "nvme")
     assert engine.write_behind(0) == 0
-    assert "nvme_lost" in engine.manager.warnings and (tmp_path / "nvme" / "segments").is_dir()
+    assert "nvme_lost" in engine.manager.telemetry.warnings and (tmp_path / "nvme" / "segments").is_dir()
     engine.close()
 
 
@@ -434,13 +435,13 @@ def test_a_full_disk_warning_waits_for_room_the_budget_still_promises(fingerprin
     manager = engine.manager
     clock = disk_clock(engine)
     full = f"NVMe tier: no space left on the device holding {tmp_path}"
-    manager.note_written_behind([], full)
+    manager.pressure.note_written_behind([], full)
     clock.advance(1.05)  # past the back-off
-    promised = manager.nvme_capacity - manager.nvme_used
-    manager.note_written_behind([], None, disk_ok=True, disk_free=promised // 2)
-    assert manager.warnings["nvme"] == full  # a write fit into space a drop freed: still full
-    manager.note_written_behind([], None, disk_ok=True, disk_free=promised)
-    assert "nvme" not in manager.warnings
+    promised = manager.table.nvme.capacity - manager.table.nvme.used
+    manager.pressure.note_written_behind([], None, disk_ok=True, disk_free=promised // 2)
+    assert manager.telemetry.warnings["nvme"] == full  # a write fit into space a drop freed: still full
+    manager.pressure.note_written_behind([], None, disk_ok=True, disk_free=promised)
+    assert "nvme" not in manager.telemetry.warnings
     engine.close()
 
 
@@ -451,14 +452,14 @@ def test_a_full_disk_at_a_full_budget_stays_full_until_a_margin_is_free(fingerpr
     manager = engine.manager
     clock = disk_clock(engine)
     full = f"NVMe tier: no space left on the device holding {tmp_path}"
-    spent = manager.nvme_budget.reserve(manager.nvme_capacity - manager.nvme_used)  # the budget is spent
-    manager.note_written_behind([], full)
+    spent = manager.table.nvme.reserve(manager.table.nvme.capacity - manager.table.nvme.used)  # the budget is spent
+    manager.pressure.note_written_behind([], full)
     clock.advance(1.05)
-    manager.note_written_behind([], None, disk_ok=True, disk_free=4096)
-    assert manager.warnings["nvme"] == full
-    manager.note_written_behind([], None, disk_ok=True, disk_free=manager.full_disk_margin())
-    assert "nvme" not in manager.warnings
-    manager.nvme_budget.release(spent)
+    manager.pressure.note_written_behind([], None, disk_ok=True, disk_free=4096)
+    assert manager.telemetry.warnings["nvme"] == full
+    manager.pressure.note_written_behind([], None, disk_ok=True, disk_free=manager.pressure.full_disk_margin())
+    assert "nvme" not in manager.telemetry.warnings
+    manager.table.nvme.release(spent)
     engine.close()
 
 
@@ -467,8 +468,8 @@ def test_the_shutdown_write_back_writes_every_dirty_block_batch_after_batch(fing
     until nothing is owed to the disk."""
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     keys = store(engine, "agent", 1, 6)
-    engine.mover.write_back_bytes = 1  # one block per group commit
-    assert engine.manager.dirty_stats()["dirty_blocks"] == 6
+    engine.mover.behind.batch_bytes = 1  # one block per group commit
+    assert engine.manager.views.dirty_stats()["dirty_blocks"] == 6
     engine.close()  # the write-back
     engine = make_engine(fingerprint, hbm, tmp_path, dram_blocks=32)
     assert loads(engine, keys) == 6
@@ -483,17 +484,17 @@ def test_token_counts_mean_the_same_warm_cold_or_restored(fingerprint, hbm, tmp_
     tokens = tokens_of(5, 4) + [7, 8, 9]  # a prompt 3 tokens past its last full block
     keys = chain_block_hashes(tokens, BT)
     ns = namespace_of(engine.fingerprint.digest)
-    engine.manager.record_session("s", ns, keys, len(tokens), token_ids=tokens)
+    engine.manager.planner.record_session("s", ns, keys, len(tokens), token_ids=tokens)
     engine.store("s", ns, keys, [0, 1, 2, 3], len(tokens))
     engine.evict("s", Tier.NVME)
-    row = engine.manager.session_info("s")
+    row = engine.manager.views.session_info("s")
     assert (row["tokens"], row["prompt_tokens"]) == (4 * BT, 4 * BT + 3)
     assert engine.snapshot("s", tmp_path / "s.kvsnap").ok
     engine = restart(engine, fingerprint, hbm, tmp_path, dram_blocks=32)
-    cold = engine.manager.session_info("s")
+    cold = engine.manager.views.session_info("s")
     assert cold["state"] == "cold" and cold["tokens"] == 4 * BT
     engine.evict("s", None)  # dropped everywhere, then back from its snapshot
     engine.restore(tmp_path / "s.kvsnap")
-    restored = engine.manager.session_info("s")
+    restored = engine.manager.views.session_info("s")
     assert restored["state"] == "warm" and restored["tokens"] == 4 * BT
     engine.close()

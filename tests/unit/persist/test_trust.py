@@ -32,7 +32,7 @@ def take_snapshot(engine, tmp_path, name="agent", seed=1, blocks=4, salt=None):
     tokens = tokens_of(seed, blocks)
     keys = chain_block_hashes(tokens, BT)
     ns = namespace_of(engine.fingerprint.digest, salt)
-    engine.manager.record_session(name, ns, keys, len(tokens), token_ids=tokens)
+    engine.manager.planner.record_session(name, ns, keys, len(tokens), token_ids=tokens)
     engine.store(name, ns, keys, list(range(blocks)), len(tokens))
     path = tmp_path / f"{name}.kvsnap"
     assert engine.snapshot(name, path).ok
@@ -60,7 +60,8 @@ def fresh(fingerprint, hbm, tmp_path, name="restorer"):
 
 def usage(engine) -> tuple:
     manager = engine.manager
-    return manager.slots.free_slots, len(manager.index), manager.nvme_used, len(manager.sessions)
+    table = manager.table
+    return table.slots.free_slots, len(table.index), table.nvme.used, len(table.sessions)
 
 
 def test_a_genuine_snapshot_restores_under_recomputed_keys(fingerprint, hbm, tmp_path):
@@ -134,10 +135,10 @@ def test_a_salted_tenants_snapshot_needs_its_salt(fingerprint, hbm, tmp_path):
     from kvtier.persist.snapshot import open_snapshot
 
     with pytest.raises(SnapshotError, match="namespace is not this engine's"):
-        engine.manager.prepare_restore(open_snapshot(path))
+        engine.manager.planner.prepare_restore(open_snapshot(path))
     with pytest.raises(SnapshotError):
-        engine.manager.prepare_restore(open_snapshot(path), Tier.DRAM, "tenant-b")
-    job = engine.manager.prepare_restore(open_snapshot(path), Tier.DRAM, "tenant-a")
+        engine.manager.planner.prepare_restore(open_snapshot(path), Tier.DRAM, "tenant-b")
+    job = engine.manager.planner.prepare_restore(open_snapshot(path), Tier.DRAM, "tenant-a")
     assert engine.execute(job).ok
     assert engine.load(namespace_of(fingerprint.digest, "tenant-a"), keys, [20, 21, 22, 23]) == 4
     engine.close()
@@ -181,7 +182,7 @@ def test_a_header_larger_than_any_session_here_is_not_parsed(fingerprint, hbm, t
     assert len(open_snapshot(path).blocks) == 4  # valid: a reader without a cap takes it
     engine = fresh(fingerprint, hbm, tmp_path)  # 16 DRAM slots + 64 NVMe blocks: headers of ~1 MiB at most
     with pytest.raises(SnapshotError, match="larger than any session"):
-        open_snapshot(path, engine.manager.max_snapshot_header())
+        open_snapshot(path, engine.manager.planner.max_snapshot_header())
     engine.close()
 
 
@@ -203,7 +204,7 @@ def served(fingerprint, hbm, tmp_path, keys):
     tokens = tokens_of(1, 4)
     keys_ = chain_block_hashes(tokens, BT)
     ns = namespace_of(fingerprint.digest)
-    engine.manager.record_session("agent", ns, keys_, len(tokens), token_ids=tokens)
+    engine.manager.planner.record_session("agent", ns, keys_, len(tokens), token_ids=tokens)
     engine.store("agent", ns, keys_, [0, 1, 2, 3], len(tokens))
     admin = LocalAdmin(engine, tmp_path / "run" / "a.sock", snapshot_dir=tmp_path / "snaps").start()
     admin.client = AdminClient(str(tmp_path / "run" / "a.sock"))

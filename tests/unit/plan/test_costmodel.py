@@ -356,16 +356,16 @@ def test_demotion_drops_sessions_whose_restore_would_lose_to_recompute(fingerpri
     engine.store("short", ns, short_keys, [10, 11], num_tokens=2 * BT)
     engine.store("pinned", ns, pinned_keys, [12, 13], num_tokens=2 * BT)
     engine.pin("pinned", Tier.NVME)
-    index = engine.manager.index
+    index = engine.manager.table.index
     assert [int(index.col["reach"][index.row_of(ns, k)]) for k in short_keys] == [2 * BT] * 2
     assert int(index.col["reach"][index.row_of(ns, long_keys[0])]) == 10 * BT
-    engine.manager.low = 0.0  # pressure: every DRAM block must go
+    engine.manager.pressure.low = 0.0  # pressure: every DRAM block must go
     engine.maintain(force=True)
     flags = index.col["flags"]
     assert all(flags[index.row_of(ns, k)] & IN_NVME for k in long_keys)
     assert all(flags[index.row_of(ns, k)] & IN_NVME for k in pinned_keys)
     assert all(index.row_of(ns, k) is None for k in short_keys)  # dropped, never written
-    assert engine.manager.counters["demote_unprofitable_blocks"] == 2
+    assert engine.manager.telemetry.counters["demote_unprofitable_blocks"] == 2
     engine.store("short", ns, short_keys, [10, 11], num_tokens=2 * BT)
     engine.evict("short", Tier.NVME)  # an operator's explicit demotion is carried out as asked
     assert all(flags[index.row_of(ns, k)] & IN_NVME for k in short_keys)

@@ -27,8 +27,8 @@ def where(engine, ns, keys):
     """Tier flags of each key: 'D' DRAM, 'N' NVMe, 'DN' both, '-' absent."""
     out = []
     for key in keys:
-        row = engine.manager.index.row_of(ns, key)
-        flags = 0 if row is None else engine.manager.index.col["flags"][row]
+        row = engine.manager.table.index.row_of(ns, key)
+        flags = 0 if row is None else engine.manager.table.index.col["flags"][row]
         out.append(("D" if flags & IN_DRAM else "") + ("N" if flags & IN_NVME else "") or "-")
     return out
 
@@ -49,8 +49,8 @@ def test_store_lookup_load_roundtrip(fingerprint, hbm, tmp_path, policy):
     # 1. store four blocks of HBM blocks 0..3
     assert engine.store("s1", ns, keys, [0, 1, 2, 3]) == 4
     # 2. a lookup finds the whole prefix; a longer prompt finds only the stored part
-    assert len(engine.manager.lookup(ns, keys)) == 4
-    assert len(engine.manager.lookup(ns, keys + session_keys(9, 2))) == 4
+    assert len(engine.manager.table.lookup(ns, keys)) == 4
+    assert len(engine.manager.table.lookup(ns, keys + session_keys(9, 2))) == 4
     # 3. loading into other HBM blocks reproduces the data bit for bit
     reference = [layer.clone() for layer in hbm]
     assert engine.load(ns, keys, [10, 11, 12, 13]) == 4
@@ -64,10 +64,10 @@ def test_namespaces_isolate_models_and_tenants(fingerprint, hbm, tmp_path, polic
     keys = session_keys(1, 3)
     engine.store("s1", namespace_of(fingerprint.digest, "tenant-a"), keys, [0, 1, 2])
     # the same block hashes under another tenant's salt or another model never match
-    assert engine.manager.lookup(namespace_of(fingerprint.digest, "tenant-b"), keys) == []
+    assert engine.manager.table.lookup(namespace_of(fingerprint.digest, "tenant-b"), keys) == []
     other = ModelFingerprint("other-model", fingerprint.geometry)
-    assert engine.manager.lookup(namespace_of(other.digest, "tenant-a"), keys) == []
-    assert len(engine.manager.lookup(namespace_of(fingerprint.digest, "tenant-a"), keys)) == 3
+    assert engine.manager.table.lookup(namespace_of(other.digest, "tenant-a"), keys) == []
+    assert len(engine.manager.table.lookup(namespace_of(fingerprint.digest, "tenant-a"), keys)) == 3
 
 
 def test_watermarks_demote_least_recent_first(fingerprint, hbm, tmp_path, policy):
@@ -79,7 +79,7 @@ def test_watermarks_demote_least_recent_first(fingerprint, hbm, tmp_path, policy
     assert where(engine, ns, old) == ["D"] * 4  # 4/8 used: below the high watermark
     engine.store("new", ns, new, [4, 5, 6, 7])
     # 8/8 > high: demoted down to 6, the two least recent blocks went to NVMe
-    assert engine.manager.slots.used_slots == 6
+    assert engine.manager.table.slots.used_slots == 6
     assert where(engine, ns, old) == ["N", "N", "D", "D"]
     assert where(engine, ns, new) == ["D"] * 4
     # demoted blocks still load, bit-identical
@@ -97,10 +97,10 @@ def test_dram_never_exceeds_budget_under_churn(fingerprint, hbm, tmp_path, polic
         engine.store(f"s{turn % 12}", ns, keys, list(range(len(keys))))
         if rng.random() < 0.3:
             engine.load(ns, keys, list(range(32, 32 + len(keys))))
-        assert engine.manager.slots.used_bytes <= engine.manager.slots.capacity_bytes
+        assert engine.manager.table.slots.used_bytes <= engine.manager.table.slots.capacity_bytes
         assert engine.nvme.used_bytes <= engine.nvme.capacity_bytes
-        assert engine.manager.stats()["nvme"]["used_bytes"] == engine.nvme.used_bytes
-    assert engine.manager.counters["nvme_dropped_blocks"] > 0  # NVMe pressure really happened
+        assert engine.manager.views.stats()["nvme"]["used_bytes"] == engine.nvme.used_bytes
+    assert engine.manager.telemetry.counters["nvme_dropped_blocks"] > 0  # NVMe pressure really happened
 
 
 def test_pinned_session_stays_in_dram_and_is_never_dropped(fingerprint, hbm, tmp_path, policy):
@@ -114,7 +114,7 @@ def test_pinned_session_stays_in_dram_and_is_never_dropped(fingerprint, hbm, tmp
         engine.store(f"s{s}", ns, session_keys(s, 3), [3, 4, 5])
     # still in DRAM, and durable: a pinned session is written through to NVMe too
     assert where(engine, ns, pinned) == ["DN"] * 3
-    assert engine.manager.session_info("agent")["state"] == "pinned"
+    assert engine.manager.views.session_info("agent")["state"] == "pinned"
     # unpinned, it can be demoted like any other
     engine.unpin("agent")
     engine.evict("agent", Tier.NVME)
@@ -133,7 +133,7 @@ def test_pin_to_nvme_survives_nvme_pressure(fingerprint, hbm, tmp_path, policy):
     for s in range(2, 14):
         engine.store(f"s{s}", ns, session_keys(s, 2), [2, 3])
     assert all(w != "-" for w in where(engine, ns, keys))
-    assert engine.manager.counters["nvme_dropped_blocks"] > 0
+    assert engine.manager.telemetry.counters["nvme_dropped_blocks"] > 0
 
 
 def test_pin_to_dram_promotes_cold_blocks(fingerprint, hbm, tmp_path, policy):
@@ -148,7 +148,7 @@ def test_pin_to_dram_promotes_cold_blocks(fingerprint, hbm, tmp_path, policy):
     # a pin larger than DRAM can ever hold is refused up front
     big = session_keys(2, 12)
     engine.store("big", ns, big[:6], list(range(6)))
-    engine.manager.record_session("big", ns, big, 12 * 16)
+    engine.manager.planner.record_session("big", ns, big, 12 * 16)
     for i in range(6, 12):
         engine.store("big", ns, big[: i + 1], list(range(i + 1)))
     with pytest.raises(CapacityError):
@@ -164,7 +164,7 @@ def test_evict_drop_forgets_session_but_keeps_shared_prefix(fingerprint, hbm, tm
     engine.evict("b", None)
     assert where(engine, ns, shared) == ["D", "D", "-", "-"]
     with pytest.raises(NotFoundError):
-        engine.manager.session_info("b")
+        engine.manager.views.session_info("b")
 
 
 def test_blocks_in_flight_are_never_victims(fingerprint, hbm, tmp_path, policy):
@@ -174,13 +174,13 @@ def test_blocks_in_flight_are_never_victims(fingerprint, hbm, tmp_path, policy):
     keys = session_keys(1, 8)
     engine.store("s", ns, keys[:6], list(range(6)))
     # prepare a load but do not complete it: its blocks hold a reference
-    rows = manager.lookup(ns, keys[:6])
+    rows = manager.table.lookup(ns, keys[:6])
     load = manager.prepare_load(rows, list(range(40, 46)))
-    assert set(manager.index.candidates(Tier.DRAM).tolist()).isdisjoint(rows)
+    assert set(manager.table.index.candidates(Tier.DRAM).tolist()).isdisjoint(rows)
     assert manager.maintenance(force=True) == []  # nothing may move
     # once the load completes they become candidates again
     engine.execute(load)
-    assert set(rows) <= set(manager.index.candidates(Tier.DRAM).tolist())
+    assert set(rows) <= set(manager.table.index.candidates(Tier.DRAM).tolist())
 
 
 def test_pending_store_is_invisible_and_failed_store_rolls_back(fingerprint, hbm, tmp_path, policy):
@@ -191,11 +191,11 @@ def test_pending_store_is_invisible_and_failed_store_rolls_back(fingerprint, hbm
     ns = namespace_of(fingerprint.digest)
     keys = session_keys(1, 3)
     job = manager.prepare_store("s", ns, keys, [0, 1, 2])
-    assert manager.lookup(ns, keys) == []  # not yet stored
-    free_before = manager.slots.free_slots
+    assert manager.table.lookup(ns, keys) == []  # not yet stored
+    free_before = manager.table.slots.free_slots
     manager.complete(JobResult(job.job_id, job.kind, ok=False, failed=[1, 2], error="boom"))
-    assert len(manager.lookup(ns, keys)) == 1  # block 0 landed, 1 and 2 rolled back
-    assert manager.slots.free_slots == free_before + 2
+    assert len(manager.table.lookup(ns, keys)) == 1  # block 0 landed, 1 and 2 rolled back
+    assert manager.table.slots.free_slots == free_before + 2
 
 
 def test_cold_tier_survives_restart(fingerprint, hbm, tmp_path, policy):
@@ -208,14 +208,14 @@ def test_cold_tier_survives_restart(fingerprint, hbm, tmp_path, policy):
     engine.close()
     # a new process: the index is rebuilt from the NVMe directory
     restarted = make_engine(fingerprint, hbm, tmp_path, policy=policy)
-    assert len(restarted.manager.lookup(ns, keys)) == 4
+    assert len(restarted.manager.table.lookup(ns, keys)) == 4
     assert restarted.load(ns, keys, [30, 31, 32, 33]) == 4
     assert blocks_equal(hbm, [30, 31, 32, 33], reference, [0, 1, 2, 3])
     restarted.close()
     # another model on the same directory sees none of it
     other = ModelFingerprint("other", fingerprint.geometry)
     stranger = make_engine(other, hbm, tmp_path, policy=policy)
-    assert stranger.manager.lookup(namespace_of(other.digest), keys) == []
+    assert stranger.manager.table.lookup(namespace_of(other.digest), keys) == []
     stranger.close()
 
 
@@ -232,7 +232,7 @@ def test_corrupt_nvme_block_loads_prefix_only(fingerprint, hbm, tmp_path, policy
         os.pwrite(f.fileno(), bytes([byte[0] ^ 0x10]), offset + 5000)
     # the load stops before the bad block; it is counted, dropped, and never served
     assert engine.load(ns, keys, [40, 41, 42, 43]) == 2
-    assert engine.manager.counters["nvme_failed_reads"] == 1
+    assert engine.manager.telemetry.counters["nvme_failed_reads"] == 1
     assert where(engine, ns, keys)[2] == "-"
     with open(path, "rb") as f:  # its record is punched out of the segment
         assert os.pread(f.fileno(), size, offset) == bytes(size)
@@ -284,7 +284,7 @@ def test_arc_prefers_evicting_blocks_seen_once(fingerprint, hbm, tmp_path):
     ns = namespace_of(fingerprint.digest)
     hot, scan = session_keys(1, 3), session_keys(2, 4)
     engine.store("hot", ns, hot, [0, 1, 2])
-    engine.manager.lookup(ns, hot)  # seen twice: T2
+    engine.manager.table.lookup(ns, hot)  # seen twice: T2
     engine.store("scan", ns, scan, [3, 4, 5, 6])
     engine.store("scan2", ns, session_keys(3, 1), [7])
     # LRU would evict the hot session's blocks first (least recent); ARC evicts the scan
@@ -338,7 +338,7 @@ def test_clean_shutdown_writes_dram_only_blocks_back(fingerprint, hbm, tmp_path,
     engine.close()
     restarted = make_engine(fingerprint, hbm, tmp_path, policy=policy)
     assert where(restarted, ns, kept) == ["N"] * 4
-    assert restarted.manager.lookup(ns, dropped) == []
+    assert restarted.manager.table.lookup(ns, dropped) == []
     assert restarted.load(ns, kept, [30, 31, 32, 33]) == 4
     assert blocks_equal(hbm, [30, 31, 32, 33], reference, [0, 1, 2, 3])
 
@@ -363,11 +363,11 @@ def test_cached_session_rows_and_state_counts_follow_churn(fingerprint, hbm, tmp
     keys = {f"s{n}": session_keys(n, 6) for n in range(8)}
 
     def check():
-        for session in manager.sessions.values():
-            fresh = [r for r in (manager.index.row_of(ns, k) for k in session.keys) if r is not None]
-            assert manager.session_row_array(session).tolist() == fresh, session.session_id
-        states = [row["state"] for row in manager.sessions_overview()]
-        counts = manager.session_state_counts()
+        for session in manager.table.sessions.values():
+            fresh = [r for r in (manager.table.index.row_of(ns, k) for k in session.keys) if r is not None]
+            assert manager.table.session_row_array(session).tolist() == fresh, session.session_id
+        states = [row["state"] for row in manager.views.sessions_overview()]
+        counts = manager.views.session_state_counts()
         assert counts == {s: states.count(s) for s in counts} and sum(counts.values()) == len(states)
 
     for step in range(120):
@@ -376,13 +376,13 @@ def test_cached_session_rows_and_state_counts_follow_churn(fingerprint, hbm, tmp
         if action <= 2:  # (re)store a prefix of the session, sometimes longer than before
             n = int(rng.integers(1, 7))
             engine.store(name, ns, keys[name][:n], list(range(n)))
-        elif name in manager.sessions and action == 3 and manager.sessions[name].pinned is None:
+        elif name in manager.table.sessions and action == 3 and manager.table.sessions[name].pinned is None:
             engine.evict(name, [None, Tier.NVME][int(rng.integers(2))])
-        elif name in manager.sessions and action == 4:
-            job = manager.pin(name, Tier.NVME) if rng.integers(2) else manager.unpin(name)
+        elif name in manager.table.sessions and action == 4:
+            job = manager.planner.pin(name, Tier.NVME) if rng.integers(2) else manager.planner.unpin(name)
             if job is not None:
                 engine.execute(job)
-        elif name in manager.sessions:
-            manager.sessions[name].hot = bool(rng.integers(2))
+        elif name in manager.table.sessions:
+            manager.table.sessions[name].hot = bool(rng.integers(2))
         check()
-    assert manager.index.removed > 0 and len(manager.sessions) > 0  # the churn did remove rows
+    assert manager.table.index.removed > 0 and len(manager.table.sessions) > 0  # the churn did remove rows

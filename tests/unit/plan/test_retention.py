@@ -34,7 +34,7 @@ def make(fingerprint, clock, dram_blocks=8, nvme_blocks=64, **kwargs):
 def store(manager, mover, session_id, ns, seed, blocks):
     """A turn of ``session_id``: its prompt recorded, then its blocks stored (into DRAM)."""
     keys = chain_block_hashes(list(range(seed * 10_000, seed * 10_000 + blocks * BT)), BT)
-    manager.record_session(session_id, ns, keys, blocks * BT)
+    manager.planner.record_session(session_id, ns, keys, blocks * BT)
     mover.run(manager.prepare_store(session_id, ns, keys, list(range(blocks))))
     return keys
 
@@ -43,8 +43,8 @@ def where(manager, ns, keys) -> str:
     """One letter a block: D in DRAM only, N on NVMe only, B both, - gone."""
     out = ""
     for key in keys:
-        row = manager.index.row_of(ns, key)
-        flags = 0 if row is None else int(manager.index.col["flags"][row])
+        row = manager.table.index.row_of(ns, key)
+        flags = 0 if row is None else int(manager.table.index.col["flags"][row])
         out += {IN_DRAM: "D", IN_NVME: "N", IN_DRAM | IN_NVME: "B"}.get(flags & (IN_DRAM | IN_NVME), "-")
     return out
 
@@ -62,7 +62,7 @@ def test_unhinted_blocks_are_demoted_before_hinted_ones(fingerprint, clock, poli
     old = store(manager, mover, "agent", ns, 1, 4)  # the least recently used: the policy's first victims
     new = store(manager, mover, "chat", ns, 2, 4)
     if hinted:
-        manager.retain("agent", 600, 1)
+        manager.planner.retain("agent", 600, 1)
     pressure(manager, mover)  # 8 of 8 slots used: down to the low watermark, 6, two blocks go
     if hinted:  # the hint moves the agent's blocks behind every unhinted one
         assert (where(manager, ns, old), where(manager, ns, new)) == ("DDDD", "NNDD")
@@ -74,22 +74,22 @@ def test_an_expired_hint_no_longer_protects(fingerprint, clock):
     manager, mover, ns = make(fingerprint, clock)
     old = store(manager, mover, "agent", ns, 1, 4)
     new = store(manager, mover, "chat", ns, 2, 4)
-    manager.retain("agent", 600, 3)
-    assert manager.session_info("agent")["retain_left_s"] == 600
-    assert manager.session_info("agent")["retain_priority"] == 3
+    manager.planner.retain("agent", 600, 3)
+    assert manager.views.session_info("agent")["retain_left_s"] == 600
+    assert manager.views.session_info("agent")["retain_priority"] == 3
     clock.advance(600)  # its time is up: it counts no more, the policy's order is back
-    assert manager.session_info("agent")["retain_left_s"] is None
+    assert manager.views.session_info("agent")["retain_left_s"] is None
     pressure(manager, mover)
     assert (where(manager, ns, old), where(manager, ns, new)) == ("NNDD", "DDDD")
-    assert manager.session("agent").retain_until is None
+    assert manager.table.session("agent").retain_until is None
 
 
 def test_retain_zero_ends_a_sessions_retention(fingerprint, clock):
     manager, mover, ns = make(fingerprint, clock)
     old = store(manager, mover, "agent", ns, 1, 4)
     store(manager, mover, "chat", ns, 2, 4)
-    manager.retain("agent", 600, 1)
-    manager.retain("agent", 0, 1)  # a later request's hint replaces it: 0 releases the session
+    manager.planner.retain("agent", 600, 1)
+    manager.planner.retain("agent", 0, 1)  # a later request's hint replaces it: 0 releases the session
     pressure(manager, mover)
     assert where(manager, ns, old) == "NNDD"
 
@@ -100,8 +100,8 @@ def test_priority_orders_the_hinted_sessions(fingerprint, clock, policy):
     high = store(manager, mover, "high", ns, 1, 3)  # oldest: the policy alone would take it first
     low = store(manager, mover, "low", ns, 2, 3)
     plain = store(manager, mover, "plain", ns, 3, 2)
-    manager.retain("high", 600, 5)
-    manager.retain("low", 600, 1)
+    manager.planner.retain("high", 600, 5)
+    manager.planner.retain("low", 600, 1)
     pressure(manager, mover)
     # unhinted first, then the lower priority, then (policy order within it) the higher one
     assert (where(manager, ns, plain), where(manager, ns, low), where(manager, ns, high)) == ("NN", "NNN", "NDD")
@@ -114,11 +114,11 @@ def test_unhinted_blocks_are_dropped_from_nvme_before_hinted_ones(fingerprint, c
     old = store(manager, mover, "agent", ns, 1, 4)
     new = store(manager, mover, "chat", ns, 2, 3)
     for session in ("agent", "chat"):  # 7 of 8 NVMe blocks used
-        mover.run(manager.evict(session, Tier.NVME))
+        mover.run(manager.planner.evict(session, Tier.NVME))
     if hinted:
-        manager.retain("agent", 600, 1)
+        manager.planner.retain("agent", 600, 1)
     late = store(manager, mover, "late", ns, 3, 1)
-    mover.run(manager.evict("late", Tier.NVME))  # past NVMe's high watermark: down to its low one
+    mover.run(manager.planner.evict("late", Tier.NVME))  # past NVMe's high watermark: down to its low one
     assert where(manager, ns, late) == "N"
     if hinted:
         assert (where(manager, ns, old), where(manager, ns, new)) == ("NNNN", "--N")
@@ -130,39 +130,39 @@ def test_unhinted_blocks_are_dropped_from_nvme_before_hinted_ones(fingerprint, c
 def test_a_shared_block_takes_the_strongest_live_retention(fingerprint, clock):
     manager, mover, ns = make(fingerprint, clock)
     keys = store(manager, mover, "a", ns, 1, 3)
-    manager.record_session("b", ns, keys[:2], 2 * BT)  # b's prompt is a's first two blocks
-    retain = manager.index.col["retain"]
-    rows = [manager.index.row_of(ns, key) for key in keys]
-    manager.retain("a", 100, 1)
-    manager.retain("b", 50, 5)
+    manager.planner.record_session("b", ns, keys[:2], 2 * BT)  # b's prompt is a's first two blocks
+    retain = manager.table.index.col["retain"]
+    rows = [manager.table.index.row_of(ns, key) for key in keys]
+    manager.planner.retain("a", 100, 1)
+    manager.planner.retain("b", 50, 5)
     assert retain[rows].tolist() == [6, 6, 2]  # priority + 1, the strongest among the holders
     clock.advance(60)  # b's hint is over: its blocks take a's
-    manager.expire()
+    manager.planner.expire()
     assert retain[rows].tolist() == [2, 2, 2]
     clock.advance(60)
-    manager.expire()
+    manager.planner.expire()
     assert retain[rows].tolist() == [0, 0, 0]
 
 
 def test_a_retained_sessions_new_blocks_are_retained_too(fingerprint, clock):
     manager, mover, ns = make(fingerprint, clock, dram_blocks=16)
     keys = store(manager, mover, "agent", ns, 1, 2)
-    manager.retain("agent", 600, 2)
+    manager.planner.retain("agent", 600, 2)
     longer = chain_block_hashes(list(range(10_000, 10_000 + 5 * BT)), BT)  # its next turn, three blocks more
     assert longer[:2] == keys
-    manager.record_session("agent", ns, longer, 5 * BT)
+    manager.planner.record_session("agent", ns, longer, 5 * BT)
     mover.run(manager.prepare_store("agent", ns, longer, list(range(5))))
-    assert [int(manager.index.col["retain"][manager.index.row_of(ns, k)]) for k in longer] == [3] * 5
+    assert [int(manager.table.index.col["retain"][manager.table.index.row_of(ns, k)]) for k in longer] == [3] * 5
 
 
 def test_an_evicted_session_leaves_no_retention_behind(fingerprint, clock):
     manager, mover, ns = make(fingerprint, clock)
     keys = store(manager, mover, "a", ns, 1, 2)
-    manager.record_session("b", ns, keys, 2 * BT)  # shares both blocks: they stay when a goes
-    manager.retain("a", 600, 4)
-    mover.run(manager.evict("a", None))
-    assert "a" not in manager.sessions
-    assert [int(manager.index.col["retain"][manager.index.row_of(ns, k)]) for k in keys] == [0, 0]
+    manager.planner.record_session("b", ns, keys, 2 * BT)  # shares both blocks: they stay when a goes
+    manager.planner.retain("a", 600, 4)
+    mover.run(manager.planner.evict("a", None))
+    assert "a" not in manager.table.sessions
+    assert [int(manager.table.index.col["retain"][manager.table.index.row_of(ns, k)]) for k in keys] == [0, 0]
 
 
 # ---- timed pins ------------------------------------------------------------------------------------
@@ -170,44 +170,45 @@ def test_a_timed_pin_protects_until_it_ends_then_is_an_unpin(fingerprint, clock)
     manager, mover, ns = make(fingerprint, clock)
     pinned = store(manager, mover, "agent", ns, 1, 4)
     other = store(manager, mover, "chat", ns, 2, 4)
-    mover.run(manager.pin("agent", Tier.DRAM, for_s=1800))
-    info = manager.session_info("agent")
+    mover.run(manager.planner.pin("agent", Tier.DRAM, for_s=1800))
+    info = manager.views.session_info("agent")
     assert (info["pinned"], info["pin_expires_at"], info["pin_left_s"]) == ("dram", clock.now + 1800, 1800)
     clock.advance(1799)
     pressure(manager, mover)  # still pinned: only the other session's blocks may go
     assert (where(manager, ns, pinned), where(manager, ns, other)) == ("BBBB", "NNDD")
-    assert manager.session("agent").pinned == Tier.DRAM
-    assert not {manager.index.row_of(ns, k) for k in pinned} & set(manager.table.victims(Tier.DRAM).tolist())
-    assert manager.session_info("agent")["pin_left_s"] == 1
+    assert manager.table.session("agent").pinned == Tier.DRAM
+    assert not {manager.table.index.row_of(ns, k) for k in pinned} & set(manager.table.victims(Tier.DRAM).tolist())
+    assert manager.views.session_info("agent")["pin_left_s"] == 1
     clock.advance(1)
     pressure(manager, mover)  # the pin ran out in this maintenance: unpinned, as `kvtier unpin` does
-    agent = manager.session("agent")
+    agent = manager.table.session("agent")
     assert (agent.pinned, agent.pin_expires) == (None, None)
-    assert manager.index.col["pin"][[manager.index.row_of(ns, k) for k in pinned]].tolist() == [0] * 4
-    assert manager.counters["pins_expired"] == 1 and "agent" in manager.catalog_log.dirty
-    assert manager.session_info("agent")["pin_left_s"] is None
+    assert manager.table.index.col["pin"][[manager.table.index.row_of(ns, k) for k in pinned]].tolist() == [0] * 4
+    assert manager.telemetry.counters["pins_expired"] == 1 and "agent" in manager.catalog_log.dirty
+    assert manager.views.session_info("agent")["pin_left_s"] is None
     victims = set(manager.table.victims(Tier.DRAM).tolist())  # its blocks may leave DRAM like any other
-    assert {manager.index.row_of(ns, k) for k in pinned} <= victims
+    assert {manager.table.index.row_of(ns, k) for k in pinned} <= victims
 
 
 def test_pinning_again_without_a_time_limit_keeps_the_pin(fingerprint, clock):
     manager, mover, ns = make(fingerprint, clock)
     store(manager, mover, "agent", ns, 1, 2)
-    mover.run(manager.pin("agent", Tier.NVME, for_s=60))
-    mover.run(manager.pin("agent", Tier.NVME))
+    mover.run(manager.planner.pin("agent", Tier.NVME, for_s=60))
+    mover.run(manager.planner.pin("agent", Tier.NVME))
     clock.advance(3600)
-    assert manager.expire() == []
-    assert manager.session("agent").pinned == Tier.NVME and manager.session_info("agent")["pin_left_s"] is None
+    assert manager.planner.expire() == []
+    assert manager.table.session("agent").pinned == Tier.NVME
+    assert manager.views.session_info("agent")["pin_left_s"] is None
 
 
 def test_an_unpinned_session_is_not_unpinned_again_when_its_old_time_comes(fingerprint, clock):
     manager, mover, ns = make(fingerprint, clock)
     store(manager, mover, "agent", ns, 1, 2)
-    mover.run(manager.pin("agent", Tier.NVME, for_s=60))
-    manager.unpin("agent")
+    mover.run(manager.planner.pin("agent", Tier.NVME, for_s=60))
+    manager.planner.unpin("agent")
     clock.advance(61)
-    manager.expire()
-    assert manager.counters["pins_expired"] == 0
+    manager.planner.expire()
+    assert manager.telemetry.counters["pins_expired"] == 0
 
 
 @pytest.mark.parametrize("for_s", [0, -5, float("nan"), float("inf"), "30m"])
@@ -215,5 +216,5 @@ def test_a_pin_for_no_time_is_refused(fingerprint, clock, for_s):
     manager, mover, ns = make(fingerprint, clock)
     store(manager, mover, "agent", ns, 1, 2)
     with pytest.raises(UsageError, match="cannot pin for"):
-        manager.pin("agent", Tier.DRAM, for_s=for_s)
-    assert manager.session("agent").pinned is None
+        manager.planner.pin("agent", Tier.DRAM, for_s=for_s)
+    assert manager.table.session("agent").pinned is None

@@ -58,24 +58,24 @@ class Rig:
             layer.fill_(float("nan"))
 
     def step(self, jobs: list[Job]) -> list[JobResult]:
-        meta = SimpleNamespace(freed_slots=self.manager.slots.drain_freed(), weights=self.fingerprint.weights)
+        meta = SimpleNamespace(freed_slots=self.manager.table.slots.drain_freed(), weights=self.fingerprint.weights)
         self.worker.apply(meta)
         self.worker.start_load_kv(jobs, [], [])
         self.worker.wait_for_save(jobs)
-        self.worker.mover.wait_jobs([job.job_id for job in jobs])
+        self.worker.mover.jobs.wait_jobs([job.job_id for job in jobs])
         results = [r for r in self.worker.take_results() if r.job_id >= 0]
         for result in results:
-            if result.job_id in self.manager.jobs:
+            if result.job_id in self.manager.jobbook.jobs:
                 self.manager.complete(result)
         return results
 
     def store(self, session: str, device_blocks: list[int], keys=KEYS) -> None:
-        self.manager.record_session(session, self.ns, keys, 16 * len(keys))
+        self.manager.planner.record_session(session, self.ns, keys, 16 * len(keys))
         [result] = self.step([self.manager.prepare_store(session, self.ns, keys, device_blocks)])
         assert result.ok, result.error
 
     def load(self, device_blocks: list[int], keys=KEYS) -> tuple[JobResult, set[int]]:
-        job = self.manager.prepare_load(self.manager.lookup(self.ns, keys), device_blocks)
+        job = self.manager.prepare_load(self.manager.table.lookup(self.ns, keys), device_blocks)
         [result] = [r for r in self.step([job]) if r.job_id == job.job_id]
         return result, self.worker.take_load_errors()
 
@@ -93,7 +93,7 @@ def test_a_stored_block_loads_bit_exact_after_a_sleep(tmp_path):
     original = [rig.block(i) for i in range(4)]
     rig.store("s", [0, 1, 2, 3])
     rig.worker.unregister_kv_caches()
-    assert rig.worker.mover.kv_layers is None  # the mover holds no view of the unmapped memory
+    assert rig.worker.mover.copies.kv_layers is None  # the mover holds no view of the unmapped memory
     rig.wipe()
     rig.worker.restore_kv_caches()
     result, errors = rig.load([8, 9, 10, 11])
@@ -101,12 +101,12 @@ def test_a_stored_block_loads_bit_exact_after_a_sleep(tmp_path):
     for i, block in enumerate(original):
         assert torch.equal(rig.block(8 + i), block)
     # and through NVMe: demoted while awake, loaded back after another sleep
-    rig.step([rig.manager.evict("s", Tier.NVME)])
+    rig.step([rig.manager.planner.evict("s", Tier.NVME)])
     rig.worker.unregister_kv_caches()
     rig.wipe()
     rig.worker.restore_kv_caches()
     result, errors = rig.load([4, 5, 6, 7])
-    assert result.ok and errors == set() and rig.manager.counters["hit_nvme_blocks"] == 4
+    assert result.ok and errors == set() and rig.manager.telemetry.counters["hit_nvme_blocks"] == 4
     for i, block in enumerate(original):
         assert torch.equal(rig.block(4 + i), block)
     rig.worker.shutdown()
@@ -115,14 +115,14 @@ def test_a_stored_block_loads_bit_exact_after_a_sleep(tmp_path):
 def test_a_store_in_flight_finishes_before_unregister_returns(tmp_path):
     rig = Rig(tmp_path)
     original = rig.block(2)
-    rig.manager.record_session("s", rig.ns, KEYS[:1], 16)
+    rig.manager.planner.record_session("s", rig.ns, KEYS[:1], 16)
     job = rig.manager.prepare_store("s", rig.ns, KEYS[:1], [2])
     hold = hold_copy_thread(rig.worker)
     rig.worker.wait_for_save([job])  # queued behind the held copy thread
-    assert rig.worker.mover.in_flight([job.job_id]) == [job.job_id]
+    assert rig.worker.mover.jobs.in_flight([job.job_id]) == [job.job_id]
     threading.Timer(0.2, hold.set).start()  # the copy engine frees up while unregister waits
     rig.worker.unregister_kv_caches()
-    assert rig.worker.mover.in_flight([job.job_id]) == []  # it read the KV before the memory went
+    assert rig.worker.mover.jobs.in_flight([job.job_id]) == []  # it read the KV before the memory went
     [result] = rig.worker.take_results()
     assert result.ok
     rig.manager.complete(result)
@@ -135,7 +135,7 @@ def test_a_store_in_flight_finishes_before_unregister_returns(tmp_path):
 
 def test_a_load_in_flight_at_unregister_finishes_first_and_is_reported_as_a_load_error(tmp_path):
     rig = Rig(tmp_path)
-    rig.manager.record_session("s", rig.ns, KEYS[:1], 16)
+    rig.manager.planner.record_session("s", rig.ns, KEYS[:1], 16)
     store = rig.manager.prepare_store("s", rig.ns, KEYS[:1], [0])
     slot = store.moves[0].dram_slot
     hold = hold_copy_thread(rig.worker)
@@ -144,10 +144,10 @@ def test_a_load_in_flight_at_unregister_finishes_first_and_is_reported_as_a_load
     load = Job(job_id=10_000, kind=JobKind.LOAD, req_id="r1", moves=[
         BlockMove(row=-1, namespace=rig.ns, key=KEYS[0], dram_slot=slot, nbytes=GEOMETRY.block_bytes, device_block=6)])
     rig.worker.start_load_kv([load], [], [])
-    assert rig.worker.mover.in_flight([load.job_id]) == [load.job_id]
+    assert rig.worker.mover.jobs.in_flight([load.job_id]) == [load.job_id]
     threading.Timer(0.2, hold.set).start()
     rig.worker.unregister_kv_caches()
-    assert rig.worker.mover.in_flight([store.job_id, load.job_id]) == []
+    assert rig.worker.mover.jobs.in_flight([store.job_id, load.job_id]) == []
     assert {r.job_id: r.ok for r in rig.worker.take_results()} == {store.job_id: True, load.job_id: True}
     # the bytes landed, but the memory they landed in is unmapped next: vLLM must recompute them
     assert rig.worker.take_load_errors() == {6}
@@ -169,7 +169,7 @@ def test_unregister_and_restore_are_idempotent_and_nothing_touches_kv_while_asle
     assert rig.worker.asleep
     rig.wipe()
     # a store or load reaching the worker while it sleeps is refused, never run against the KV memory
-    rig.manager.record_session("t", rig.ns, KEYS[1:2], 16)
+    rig.manager.planner.record_session("t", rig.ns, KEYS[1:2], 16)
     [stored] = rig.step([rig.manager.prepare_store("t", rig.ns, KEYS[1:2], [3])])
     assert not stored.ok and "asleep" in stored.error
     loaded, errors = rig.load([7], KEYS[:1])
@@ -186,14 +186,14 @@ def test_new_weights_after_a_sleep_load_nothing_stale(tmp_path):
     rig = Rig(tmp_path)
     rig.store("dram", [0, 1], KEYS[:2])
     rig.store("nvme", [2, 3], KEYS[2:])
-    rig.step([rig.manager.evict("nvme", Tier.NVME)])
+    rig.step([rig.manager.planner.evict("nvme", Tier.NVME)])
     rig.worker.unregister_kv_caches()
     rig.wipe()
     rig.vllm_says = ModelFingerprint("tiny@cpu", GEOMETRY, weights="w2")  # update_config + reload_weights
     rig.worker.restore_kv_caches()
     assert rig.worker.fingerprint.weights == "w2" and rig.worker.mover.fingerprint.weights == "w2"
     assert rig.worker.take_weights_report() == "w2" and rig.worker.take_weights_report() is None
-    assert rig.worker.mover.dirty_due(0) == 0  # write-behind never copies an old block under the new weights
+    assert rig.worker.mover.ledger.due_count(0) == 0  # write-behind never copies an old block under the new weights
 
     # before the scheduler half has heard of them (or dropped the old blocks): the DRAM ones are
     # refused, the NVMe ones fail their fingerprint check; vLLM recomputes all of them
@@ -203,7 +203,7 @@ def test_new_weights_after_a_sleep_load_nothing_stale(tmp_path):
         assert not result.ok and why in result.error and errors == set(blocks)
         assert all(torch.isnan(rig.block(b)).all() for b in blocks)
     # nor does a demotion carry an old DRAM block to NVMe under the new weights
-    [demoted] = rig.step([rig.manager.evict("dram", Tier.NVME)])
+    [demoted] = rig.step([rig.manager.planner.evict("dram", Tier.NVME)])
     assert not demoted.ok and demoted.error is None  # no disk trouble to report
     assert not any(rig.worker.nvme.has(rig.ns, key) for key in KEYS[:2])
     rig.worker.shutdown()
@@ -214,8 +214,8 @@ def test_the_scheduler_half_drops_the_old_sessions_and_plans_under_the_new_weigh
     original = [rig.block(i) for i in range(4)]
     rig.store("dram", [0, 1], KEYS[:2])
     rig.store("nvme", [2, 3], KEYS[2:])
-    rig.step([rig.manager.evict("nvme", Tier.NVME)])
-    rig.step([job for job in [rig.manager.pin("dram", Tier.DRAM)] if job is not None])  # a pinned one goes too
+    rig.step([rig.manager.planner.evict("nvme", Tier.NVME)])
+    rig.step([job for job in [rig.manager.planner.pin("dram", Tier.DRAM)] if job is not None])  # a pinned one goes too
     rig.worker.unregister_kv_caches()
     rig.vllm_says = ModelFingerprint("tiny@cpu", GEOMETRY, weights="w2")
     rig.worker.restore_kv_caches()
@@ -224,15 +224,15 @@ def test_the_scheduler_half_drops_the_old_sessions_and_plans_under_the_new_weigh
     rig.fingerprint = switch_weights(rig.fingerprint, rig.worker.take_weights_report(), rig.manager,
                                      queued.append)
     assert rig.fingerprint.weights == "w2" and rig.ns != old_ns
-    assert rig.manager.sessions == {} and "weights_changed" in rig.manager.warnings
+    assert rig.manager.table.sessions == {} and "weights_changed" in rig.manager.telemetry.warnings
     assert [job.kind for job in queued] == [JobKind.DROP, JobKind.DROP]  # both have NVMe copies (pin: flushed)
     assert all(rig.worker.nvme.has(old_ns, key) for key in KEYS)
     assert all(r.ok for r in rig.step(queued))
     assert not any(rig.worker.nvme.has(old_ns, key) for key in KEYS)
-    assert rig.manager.lookup(old_ns, KEYS) == []
+    assert rig.manager.table.lookup(old_ns, KEYS) == []
     # under the new weights: stored, demoted, loaded back, bit for bit
     rig.store("again", [0, 1, 2, 3])
-    rig.step([rig.manager.evict("again", Tier.NVME)])
+    rig.step([rig.manager.planner.evict("again", Tier.NVME)])
     result, errors = rig.load([12, 13, 14, 15])
     assert result.ok and errors == set()
     for i, block in enumerate(original):
@@ -254,7 +254,7 @@ def test_waking_up_with_another_geometry_is_refused_in_one_line(tmp_path, change
     with pytest.raises(ConfigError) as caught:
         rig.worker.restore_kv_caches()
     assert words in caught.value.message and "\n" not in caught.value.message and caught.value.hint
-    assert rig.worker.asleep and rig.worker.mover.kv_layers is None  # still asleep: nothing touches the KV
+    assert rig.worker.asleep and rig.worker.mover.copies.kv_layers is None  # still asleep: nothing touches the KV
     rig.worker.shutdown()
 
 

@@ -74,7 +74,7 @@ def test_a_turn_after_the_kv_cache_slept_loads_from_dram_and_answers_the_same(ti
     try:
         run(llm, history)
         connector = get_kv_transfer_group()  # the worker half (in-process engine)
-        layers = connector._worker.mover.kv_layers
+        layers = connector._worker.mover.copies.kv_layers
         connector.unregister_kv_caches()
         for layer in layers:  # what vLLM's unmapping leaves behind
             layer.zero_()
@@ -82,7 +82,7 @@ def test_a_turn_after_the_kv_cache_slept_loads_from_dram_and_answers_the_same(ti
         connector.restore_kv_caches()
         out = run(llm, follow_up)
         manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.manager
-        assert manager.counters["hit_dram_blocks"] > 0
+        assert manager.telemetry.counters["hit_dram_blocks"] > 0
         assert out.num_cached_tokens == expected.num_cached_tokens  # loaded, not recomputed
         assert answer(out) == answer(expected)  # bit for bit: the loaded KV is the stored KV
     finally:

@@ -119,11 +119,13 @@ def test_tui_only_talks_to_the_admin_client():
 
 
 # ---- the import graph: no cycles, layers point one way ------------------------------------------------
-SOURCE_ROOTS = {"kvtier": CORE, "kvtier.tui": CORE.parent / "tui", "kvtier.plugins": CORE.parent / "plugins"}
+SOURCE_ROOTS = {"kvtier": CORE, "kvtier.tui": CORE.parent / "tui", "kvtier.plugins": CORE.parent / "plugins",
+                "benchmarks": CORE.parent / "benchmarks"}  # the project's own test rig, beside the product
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of the installed package by its dotted name (tui/ and plugins/ live beside kvtier/)."""
+    """Every module of the installed package by its dotted name (tui/ and plugins/ live beside kvtier/),
+    and of the test rig (``benchmarks``)."""
     out = {}
     for package, root in SOURCE_ROOTS.items():
         for path in root.rglob("*.py"):
@@ -212,14 +214,18 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_no_import_cycles_lazy_and_type_only_imports_included():
-    assert cycles(import_graph()) == []
+    graph = import_graph()
+    assert any(name.startswith("benchmarks.") for name in graph)  # the rig is in the graph too
+    assert cycles(graph) == []
 
 
 OUTER = ("kvtier.bench", "kvtier.plugins", "kvtier.tui", "kvtier.cli")
 ENGINE = ("kvtier.plan", "kvtier.move", "kvtier.tiers", "kvtier.persist", "kvtier.codecs", "kvtier.engine",
           "kvtier.jobs", "kvtier.layout")
 APPS = ("kvtier.launch", "kvtier.diagnose", "kvtier.models", "kvtier.control")
+PRODUCT = ("kvtier", "kvtier.tui", "kvtier.plugins")  # all of it, the outer layers included
 DIRECTIONS = [  # (modules under these names, never import these, why)
+    (PRODUCT, ("benchmarks",), "the product never needs its test rig: the rig is not installed"),
     (("kvtier",), OUTER, "the core is a library: the CLI, benchmarks, connector and dashboard sit above it"),
     (("kvtier.plugins",), ("kvtier.bench", "kvtier.tui", "kvtier.cli"), "the connector runs inside vLLM alone"),
     (("kvtier.control.api",), ("kvtier.control.server",), "routes know nothing of the HTTP loop"),
@@ -254,14 +260,19 @@ def test_the_direction_check_finds_a_break():
         == {"kvtier.plan.x": ["kvtier.move.mover (the scheduler half plans; it never runs a move)"]}
     assert list(direction_breaks({"kvtier.plugins.vllm.x": {"kvtier.cli.main"}, "kvtier.cli.main": {"kvtier.tui"}})) \
         == ["kvtier.plugins.vllm.x"]
+    assert direction_breaks({"kvtier.bench.serve": {"benchmarks.faults.world"}, "kvtier.tui.app": {"benchmarks"},
+                             "benchmarks.scale": {"kvtier.plan.manager"}}) == {
+        "kvtier.bench.serve": ["benchmarks.faults.world (the product never needs its test rig: the rig is not "
+                               "installed)"],
+        "kvtier.tui.app": ["benchmarks (the product never needs its test rig: the rig is not installed)"]}
 
 
 def test_layers_point_one_way():
     assert direction_breaks(import_graph()) == {}
 
 
-# ---- the manager's interface: the connector and the admin plane call methods, never poke its state ------
-MANAGER_INSIDES = {"index", "policies", "queued"}  # the manager's own bookkeeping (plus any _private name)
+# ---- the manager's parts: the connector and the admin plane call them, never poke their state -----------
+PART_INSIDES = {("table", "index"), ("table", "policies"), ("jobbook", "queued")}  # bookkeeping (and any _name)
 
 
 def _is_manager(node: ast.AST) -> bool:
@@ -269,35 +280,53 @@ def _is_manager(node: ast.AST) -> bool:
         (isinstance(node, ast.Name) and node.id == "manager")
 
 
+def _after_manager(node: ast.AST) -> list[str] | None:
+    """``["table", "index"]`` for ``<...>.manager.table.index``; None when ``node`` does not reach
+    through a manager."""
+    names = []
+    while isinstance(node, ast.Attribute) and not _is_manager(node):
+        names.append(node.attr)
+        node = node.value
+    return names[::-1] if _is_manager(node) else None
+
+
 def manager_pokes(path: Path) -> list[str]:
-    """Lines of ``path`` that reach into a TierManager's insides: its index, policies or private
-    names, an assignment to one of its attributes, or a write into one of its dicts."""
+    """Lines of ``path`` that reach into a TierManager's insides: a private name of it or of a part,
+    the index or policies of its block table, its job book's queue, or any write to an attribute of
+    the manager or of a part (an assignment, or a write into one of their dicts). Calling a part's
+    public methods and reading its public attributes is how callers talk to the manager."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and _is_manager(node.value) and \
-                (node.attr in MANAGER_INSIDES or node.attr.startswith("_")):
-            found.append(f"{path.name}:{node.lineno} reads manager.{node.attr}")
+        names = _after_manager(node) if isinstance(node, ast.Attribute) else None
+        if names and (names[-1].startswith("_") or tuple(names[:2]) in PART_INSIDES and len(names) == 2):
+            found.append(f"{path.name}:{node.lineno} reads manager.{'.'.join(names)}")
         targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, ast.AugAssign) else []
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
         for target in targets:
-            if isinstance(target, ast.Subscript):
+            while isinstance(target, ast.Subscript):
                 target = target.value
-            if isinstance(target, ast.Attribute) and _is_manager(target.value):
-                found.append(f"{path.name}:{node.lineno} writes manager.{target.attr}")
+            written = _after_manager(target) if isinstance(target, ast.Attribute) else None
+            if written:
+                found.append(f"{path.name}:{node.lineno} writes manager.{'.'.join(written)}")
     return sorted(found)
 
 
 def test_the_poke_finder_finds_pokes(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("self.manager.counters['x'] += 1\nmanager.cost = 3\nrows = self.manager.index.col\n"
-                     "self.manager.count('x')\n")
-    assert [line.split(" ", 1)[1] for line in manager_pokes(probe)] == \
-        ["writes manager.counters", "writes manager.cost", "reads manager.index"]
+    probe.write_text("self.manager.telemetry.counters['x'] += 1\nmanager.pressure.cost = 3\n"
+                     "rows = self.manager.table.index.col\nmanager.jobbook.queued.append(1)\n"
+                     "manager.views._cache = None\nx = engine.manager._warn_bad_nvme_blocks\nmanager.turns = 1\n"
+                     "self.manager.telemetry.count('x')\nn = manager.table.slots.free_slots\n"
+                     "job = manager.planner.pin('s')\nwarnings = manager.telemetry.warnings\n")
+    assert [line.split(" ", 1)[1] for line in manager_pokes(probe)] == [
+        "writes manager.telemetry.counters", "writes manager.pressure.cost", "reads manager.table.index",
+        "reads manager.jobbook.queued", "reads manager.views._cache", "writes manager.views._cache",
+        "reads manager._warn_bad_nvme_blocks", "writes manager.turns"]
 
 
-def test_connector_and_admin_plane_use_the_managers_methods():
-    """The vLLM scheduler half, the admin plane and the engine go through TierManager's methods
-    (``count``, ``peek``, ``in_dram``, ``warn``...), so the manager's state changes in one place."""
+def test_connector_and_admin_plane_use_the_managers_parts():
+    """The vLLM scheduler half, the admin plane and the engine call the manager's parts (``telemetry.count``,
+    ``table.peek``, ``planner.pin``...) and read what they show, so each part's state changes in one place."""
     roots = [CORE.parent / "plugins", CORE / "control"]
     files = [p for root in roots for p in root.rglob("*.py")] + [CORE / "engine.py", CORE / "launch" / "serve.py"]
     pokes = [poke for path in files for poke in manager_pokes(path)]
