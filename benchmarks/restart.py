@@ -161,6 +161,19 @@ print(json.dumps([elapsed, (time.perf_counter() - started) * 1000, len(manager.t
             "_catalog_sessions": listed, "_catalog_mib": size / 2**20, "_catalog_first_status_ms": first_status}
 
 
+def _background_writes(scheduler, worker, on: bool) -> None:
+    """Switch the engine's background writes off (or back on) from the outside, with no switch in
+    the product: while off, the catalog thread's sync writes nothing (what changed stays queued, and
+    is written once it is on again) and the worker's write-behind sees no block due."""
+    catalog, ledger = scheduler.manager.catalog_log, worker.mover.ledger
+    if on:
+        vars(catalog).pop("sync_catalog", None)  # the class's own methods again
+        vars(ledger).pop("due_count", None)
+    else:
+        catalog.sync_catalog = lambda lock=None: True
+        ledger.due_count = lambda max_age_s: 0
+
+
 def serving_overhead(model: str, base: Path, pairs: int, tokens: int, window: str = "1",
                      say: Callable[[str], None] = print) -> dict:
     """Prefill tokens/s of one in-process engine with the session catalog and write-behind (``window``
@@ -184,8 +197,7 @@ def serving_overhead(model: str, base: Path, pairs: int, tokens: int, window: st
         engine.generate(_prompt(99, tokens), 1)  # warm-up
         for pair in range(pairs):
             for i, mode in enumerate(("on", "off") if pair % 2 == 0 else ("off", "on")):
-                for switch in (scheduler.catalog_paused, worker.write_behind_paused):
-                    switch.clear() if mode == "on" else switch.set()
+                _background_writes(scheduler, worker, on=mode == "on")
                 started = time.perf_counter()
                 engine.generate(_prompt(100 + 2 * pair + i, tokens), 1)
                 seconds[mode] += time.perf_counter() - started

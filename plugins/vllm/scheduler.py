@@ -151,7 +151,6 @@ class KVTierScheduler:
         self.hbm_cache = self._listen_hbm(vllm_config)  # vLLM's prefix cache, from its KV events
         if config.admin_socket:
             self._start_admin(config)
-        self.catalog_paused = threading.Event()  # `python -m benchmarks restart`: the same engine with it off
         threading.Thread(target=self._keep_catalog, args=(config.catalog_interval_s,),
                          name="kvtier-catalog", daemon=True).start()
 
@@ -177,8 +176,6 @@ class KVTierScheduler:
         written blocks behind, so their state (and status's dirty count) comes back."""
         poked_at = 0.0
         while not self._stopping.wait(every_s):
-            if self.catalog_paused.is_set():
-                continue
             with self.lock:  # timed pins and retention hints end on time on an idle engine too
                 self.manager.planner.expire()
             self.manager.catalog_log.sync_catalog(self.lock)

@@ -119,7 +119,6 @@ class KVTierWorker:
         self._caps = parse_link_caps(config.link_gbps)  # an emulated slow link (demos, benchmarks)
         self._stopping = threading.Event()
         self._writer: threading.Thread | None = None
-        self.write_behind_paused = threading.Event()  # `python -m benchmarks restart`: the same engine with it off
         self._in_step, self._step_ended = False, 0.0
         # sleep mode: vLLM's KV tensors (the same objects after a wake-up), what they looked like, the
         # stores and loads that touch them while they run, and the DRAM slots a change of weights made stale
@@ -203,7 +202,7 @@ class KVTierWorker:
                 if store.check_present() and self.mover.disk_moves.take_recreated():  # wiped: what it held is lost
                     self.mover.jobs.post(JobResult(job_id=-1, kind=JobKind.FLUSH, ok=True, rank=self.rank,
                                                    written_behind=[], nvme_recreated=True))
-                while not self._stopping.is_set() and not self.write_behind_paused.is_set():
+                while not self._stopping.is_set():
                     # the disk and the cores are the forward pass's while it runs: a busy engine only
                     # gets the blocks past twice the window (and pinned sessions' at once), in small
                     # batches; an idle one everything due
