@@ -130,6 +130,7 @@ def record(name: str, quick: bool = False, extra: Sequence[str] = (), results: P
     if quick and not run.quick:
         raise UsageError(f"{name} has no --quick run", hint=f"python -m benchmarks record {name}")
     shown = run.shown(quick, extra)
+    code = commit()  # before the run: a run may write files of its own (quality --ship)
     started, date = time.monotonic(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(f"… {shown}", file=sys.stderr, flush=True)
     done = subprocess.run(run.argv(quick, extra), stdout=subprocess.PIPE, text=True)  # its stderr shows
@@ -143,7 +144,7 @@ def record(name: str, quick: bool = False, extra: Sequence[str] = (), results: P
                           hint="the last of its output: " + done.stdout[-300:]) from None
     if not isinstance(figures, dict):
         raise KvtierError(f"{name} printed {type(figures).__name__}, not a JSON object: nothing recorded")
-    doc = {"bench": name, "command": shown, "quick": quick, "date": date, "commit": commit(),
+    doc = {"bench": name, "command": shown, "quick": quick, "date": date, "commit": code,
            "wall_s": round(time.monotonic() - started, 1), "machine": machine(), "results": figures}
     target = result_path(name, quick, results)
     target.parent.mkdir(parents=True, exist_ok=True)
