@@ -12,7 +12,8 @@ from kvtier.cli.output import bench_progress, emit_bench, emit_json, handle_erro
 
 __all__ = ["bench_app", "check_bench_dir"]
 
-bench_app = typer.Typer(help="Benchmarks; every figure is a ratio against a same-process reference.",
+bench_app = typer.Typer(help="Measure kvtier on this box and model; every figure is a ratio against a "
+                             "same-run reference.",
                         no_args_is_help=True, rich_markup_mode=None)
 
 
