@@ -10,7 +10,10 @@
 
 Blocks have the mid demo model's geometry (16 layers, 4 KV heads, head_dim 64, 128 tokens: 2 MiB
 in bf16); the data is Gaussian with outlier key channels, as real keys have. Each ratio is the
-median of interleaved repetitions, measured against its reference in the same process.
+median of interleaved repetitions, measured against its reference in the same process. Every timed
+decode and every restore is checked, outside its timer: the blocks it gave back must be exactly the
+codec's own decode of what was written (every record read back at its size and codec), or the
+figures are refused.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from kvtier.bench.checks import require
 from kvtier.bench.tiers import RawDirectIO, _paired_ratio, drop_page_cache
 
 __all__ = ["run_codecs_bench", "BENCH_CODECS", "codec_keys"]
@@ -53,8 +57,10 @@ def _throughput(spec: str, blocks, reps: int) -> dict:
     n = blocks.shape[0]
     payloads = torch.empty((n, codec.max_bytes(geometry)), dtype=torch.uint8)
     sizes = [codec.encode(blocks[i], payloads[i], first=i == 0) for i in range(n)]  # also warms up numba
+    expected = torch.empty_like(blocks)  # each block as the codec gives it back: what every decode must give
+    for i in range(n):
+        codec.decode(payloads[i, : sizes[i]], expected[i])
     out = torch.empty_like(blocks)
-    codec.decode(payloads[0, : sizes[0]], out[0])
     plain = torch.empty_like(blocks)
 
     def memcpy():
@@ -64,9 +70,13 @@ def _throughput(spec: str, blocks, reps: int) -> dict:
         return _timed(lambda: [codec.encode(blocks[i], payloads[i], first=i == 0) for i in range(n)])
 
     def decode():
-        return _timed(lambda: [codec.decode(payloads[i, : sizes[i]], out[i]) for i in range(n)])
+        out.zero_()  # outside the timer: a decode that wrote nothing is caught below
+        elapsed = _timed(lambda: [codec.decode(payloads[i, : sizes[i]], out[i]) for i in range(n)])
+        require(torch.equal(out, expected), f"{spec}: a timed decode gave other bytes than the codec's own decode")
+        return elapsed
 
     enc, enc_detail = _paired_ratio(memcpy, encode, reps)
+    require(torch.equal(plain, blocks), "the memcpy reference copied other bytes")
     dec, dec_detail = _paired_ratio(memcpy, decode, reps)
     gib = blocks.numel() * blocks.element_size() / 2**30
     return {
@@ -76,10 +86,10 @@ def _throughput(spec: str, blocks, reps: int) -> dict:
         f"_{spec}_decode_gib_s": gib / dec_detail["measured_s"],
         f"_{spec}_encode_gib_s": gib / enc_detail["measured_s"],
         "_memcpy_gib_s": gib / dec_detail["reference_s"],
-    }, payloads, sizes
+    }, payloads, sizes, expected
 
 
-def _restore(spec: str, payloads, sizes, directory: Path, raw: RawDirectIO, reps: int,
+def _restore(spec: str, payloads, sizes, expected, directory: Path, raw: RawDirectIO, reps: int,
              raw_small: RawDirectIO | None = None) -> dict:
     import torch
 
@@ -94,7 +104,7 @@ def _restore(spec: str, payloads, sizes, directory: Path, raw: RawDirectIO, reps
     keys = [i.to_bytes(8, "little") for i in range(n)]
     outcomes = store.write_batch([(namespace, k, payloads[i, : sizes[i]], spec) for i, k in enumerate(keys)],
                                  fingerprint)
-    assert all(isinstance(o, int) for o in outcomes), outcomes[:1]
+    require(all(isinstance(o, int) for o in outcomes), f"an NVMe write failed: {outcomes[:1]}")
     from kvtier.tiers.dram import aligned_empty
 
     per = (payloads.shape[1] + 8191) // 4096 * 4096
@@ -103,12 +113,18 @@ def _restore(spec: str, payloads, sizes, directory: Path, raw: RawDirectIO, reps
 
     def restore():
         drop_page_cache(root)
+        out.zero_()  # outside the timer: every block must come back through this round's reads
         start = time.perf_counter()
         futures = [store.submit_read(namespace, k, buffers[i], fingerprint) for i, k in enumerate(keys)]
+        read = []
         for i, future in enumerate(futures):  # decode block i while the IO threads read the next ones
             nbytes, stored = future.result()
             get_codec(stored).decode(buffers[i, :nbytes], out[i])
-        return time.perf_counter() - start
+            read.append((nbytes, stored))
+        elapsed = time.perf_counter() - start
+        require(read == [(size, spec) for size in sizes] and torch.equal(out, expected),
+                f"{spec}: a restore from the NVMe tier gave other blocks than were written")
+        return elapsed
 
     try:
         ratio, detail = _paired_ratio(raw.read, restore, reps, second=raw_small.read if raw_small else None)
@@ -152,10 +168,10 @@ def run_codecs_bench(quick: bool = False, directory: str | None = None,
         try:
             for spec in codecs:
                 progress(f"codec {spec}: encode / decode vs memcpy")
-                figures, payloads, sizes = _throughput(spec, blocks, reps)
+                figures, payloads, sizes, expected = _throughput(spec, blocks, reps)
                 results.update(figures)
                 progress(f"codec {spec}: restore from the NVMe tier vs raw direct-IO read")
-                results.update(_restore(spec, payloads, sizes, Path(tmp), raw, reps, raw_small))
+                results.update(_restore(spec, payloads, sizes, expected, Path(tmp), raw, reps, raw_small))
         finally:
             raw.close()
             raw_small.close()

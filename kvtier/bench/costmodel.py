@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from kvtier.bench.checks import require
+
 __all__ = ["run_costmodel_bench", "COSTMODEL_KEYS"]
 
 RESTORES = 3  # restores timed per length (the median counts); the prediction is made before the first
@@ -68,7 +70,7 @@ def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Calla
         for seed, n in ((2, 512), (6, 3000)):
             engine.forget_hbm()
             engine.timed(_prompt(seed, n))
-        assert cost.prefill is not None, "no prefill model after warm-up"
+        require(cost.prefill is not None, "no prefill model after the warm-up: nothing to predict with")
         results["_model_after_warmup"] = {k: v for k, v in cost.report().items() if k != "sources"}
         errors_restore, errors_recompute = [], []
         for i, n in enumerate(lengths):

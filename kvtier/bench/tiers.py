@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 # the raw direct IO reference lives with the tiers (the cost model measures disks with it too)
+from kvtier.bench.checks import require
 from kvtier.tiers.nvme.rawio import RawDirectIO, drop_page_cache  # noqa: F401 - the benchmarks import them from here
 
 __all__ = ["run_tiers_bench", "TIERS_KEYS"]
@@ -104,7 +105,7 @@ def bench_dram(blocks: int, reps: int) -> dict:
 
     put_ratio, put_detail = _paired_ratio(memcpy_in, put, reps)
     get_ratio, get_detail = _paired_ratio(memcpy_out, get, reps)
-    assert torch.equal(out, src), "DRAM tier returned different bytes"
+    require(torch.equal(out, src), "the DRAM tier returned different bytes")
     gib = blocks * BLOCK / 2**30
     return {
         "dram_put_vs_memcpy": put_ratio,
@@ -150,14 +151,14 @@ def bench_nvme(directory: Path, total_bytes: int, reps: int, io_threads: int = 8
                     outcomes = store.write_batch([(namespace, k, arena.slot(first + i, block), "none")
                                                   for i, k in enumerate(keys[first : first + per_batch])],
                                                  fingerprint)
-                    assert all(isinstance(o, int) for o in outcomes), outcomes[:1]
+                    require(all(isinstance(o, int) for o in outcomes), f"an NVMe write failed: {outcomes[:1]}")
                 return time.perf_counter() - start
 
             def read_tier_timed(store=store, keys=keys, arena=arena):
                 drop_page_cache(root)
                 start = time.perf_counter()
                 outcomes = store.read_batch([(namespace, k, arena.slot(i)) for i, k in enumerate(keys)], fingerprint)
-                assert all(isinstance(o, tuple) for o in outcomes), outcomes[:1]
+                require(all(isinstance(o, tuple) for o in outcomes), f"an NVMe read failed its checks: {outcomes[:1]}")
                 return time.perf_counter() - start
 
             try:
@@ -266,7 +267,7 @@ def bench_index(num_blocks: int) -> dict:
         start = time.perf_counter()
         rows = manager.table.lookup(namespace, prefix)
         samples.append(time.perf_counter() - start)
-    assert len(rows) == len(prefix)
+    require(len(rows) == len(prefix), f"the lookup found {len(rows)} of {len(prefix)} blocks")
     return {"lookup_1024_blocks_ms": statistics.median(samples) * 1e3, "index_bytes_per_block": per_block}
 
 
