@@ -10,7 +10,7 @@ from typing import Callable
 
 from kvtier.errors import KvtierError
 
-__all__ = ["FigureRefused", "require", "reset_served_prefix_cache"]
+__all__ = ["FigureRefused", "loaded_tokens", "require", "require_loaded", "reset_served_prefix_cache"]
 
 
 class FigureRefused(KvtierError):
@@ -21,6 +21,21 @@ def require(condition: object, message: str, hint: str | None = None) -> None:
     """Refuse the figure (raise ``FigureRefused``) unless ``condition`` holds."""
     if not condition:
         raise FigureRefused(message, hint=hint or "the benchmark refused to record a figure it could not check")
+
+
+def loaded_tokens(output: object) -> int:
+    """Tokens kvtier loaded for a vLLM request (its output's ``kv_transfer_params``), 0 if none."""
+    params = getattr(output, "kv_transfer_params", None) or {}
+    return int((params.get("kvtier") or {}).get("loaded_tokens") or 0)
+
+
+def require_loaded(loaded: int, prompt_tokens: int, block_tokens: int, what: str, share: float = 0.9) -> None:
+    """Refuse a figure that times a restore unless the restore loaded (at least ``share`` of) the
+    prompt's full blocks: one that loaded nothing timed a recompute or a prefix-cache hit."""
+    full = (prompt_tokens - 1) // block_tokens * block_tokens  # the last token is always computed
+    require(full > 0 and loaded >= share * full,
+            f"{what}: kvtier loaded {loaded:,} of the prompt's {full:,} full-block tokens",
+            hint="a restore that did not load is a recompute or a prefix-cache hit, not a restore")
 
 
 def _post_json(url: str, body: dict | None = None, timeout: float = 120) -> dict:

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from kvtier.bench.checks import require
+from kvtier.bench.checks import loaded_tokens, require, require_loaded
 
 __all__ = ["run_costmodel_bench", "COSTMODEL_KEYS"]
 
@@ -92,7 +92,8 @@ def run_costmodel_bench(quick: bool = False, size: str = "tiny", progress: Calla
                 runs.append(seconds)
             measured_restore = statistics.median(runs)
             results[f"_restore_{n}_runs_s"] = runs
-            loaded = (out.kv_transfer_params or {}).get("kvtier", {}).get("loaded_tokens", 0)
+            loaded = loaded_tokens(out)
+            require_loaded(loaded, n, cost.block_tokens, f"the {n}-token restore")
             progress(f"{n} tokens: recompute {measured_recompute:.2f} s (predicted {predicted_recompute:.2f}), "
                      f"restore {measured_restore:.3f} s (predicted {predicted_restore:.3f}, loaded {loaded})")
             errors_recompute.append(abs(predicted_recompute - measured_recompute) / measured_recompute)
@@ -135,6 +136,6 @@ def _capped_link(model: str, nvme_dir: Path, lengths: tuple[int, ...], size: str
     capped.close()
     return {"capped_link_ttft_vs_recompute": again / plain, "_capped_gbps": cap, "_capped_plain_s": plain,
             "_capped_again_s": again,
-            "_capped_loaded_tokens": (out.kv_transfer_params or {}).get("kvtier", {}).get("loaded_tokens", 0),
+            "_capped_loaded_tokens": loaded_tokens(out),
             "_capped_decisions": {k: v for k, v in counters.items() if k.startswith("decision_")},
             "_capped_store_skipped_blocks": counters.get("store_skipped_blocks", 0), "_capped_tokens": n}

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from kvtier.bench.checks import loaded_tokens, require, require_loaded
+
 __all__ = ["run_serve_bench", "SERVE_KEYS"]
 
 SERVE_KEYS = ("restore_vs_recompute_ttft_4k", "restore_vs_recompute_ttft_16k", "decode_with_vs_without",
@@ -151,6 +153,8 @@ def tp2_figures(quick: bool = False, progress: Callable[[str], None] = print) ->
             hit = admin.get("/v1/status")["counters"].get("hit_nvme_blocks", 0) - before
         finally:
             served.stop()
+    require(hit >= 0.9 * count * ((tokens - 1) // 128), f"TP=2: {hit} blocks loaded from NVMe for {count} prompts "
+            f"of {tokens:,} tokens", hint="the restored TTFT would time a recompute, not a load")
     same = sum(a["text"] == b["text"] for a, b in zip(same_split, loaded))
     return {"tp2_outputs_identical": same / count,
             "_tp2_plain_recomputed_vs_prefix_hit_identical": sum(a["text"] == b["text"] for a, b in
@@ -204,7 +208,8 @@ def run_serve_bench(quick: bool = False, progress: Callable[[str], None] = print
         restored = {}
         for i, (name, n) in enumerate(sizes.items()):
             _drop_page_cache(Path(tmp))
-            restored[name] = tiered.timed(_prompt(10 + i, n))[0]
+            restored[name], out = tiered.timed(_prompt(10 + i, n))
+            require_loaded(loaded_tokens(out), n, tiered.manager.geometry.block_tokens, f"the {name} restore")
         counters = dict(tiered.manager.telemetry.counters)
         syncs = tiered.worker.step_syncs
         tiered.close()

@@ -56,3 +56,17 @@ def test_require_refuses_in_words():
     with pytest.raises(FigureRefused, match="0 of 40 blocks loaded") as info:
         require(0 >= 40, "0 of 40 blocks loaded", hint="the codec's loads did not happen")
     assert info.value.hint == "the codec's loads did not happen"
+
+
+def test_a_restore_that_loaded_nothing_is_not_timed_as_one():
+    from types import SimpleNamespace
+
+    from kvtier.bench.checks import loaded_tokens, require_loaded
+
+    out = SimpleNamespace(kv_transfer_params={"kvtier": {"session_id": "s", "loaded_tokens": 3968}})
+    assert loaded_tokens(out) == 3968 and loaded_tokens(SimpleNamespace(kv_transfer_params=None)) == 0
+    require_loaded(3968, 4096, 128, "the 4k restore")  # every full block but the last token's
+    with pytest.raises(FigureRefused, match="the 4k restore: kvtier loaded 0 of the prompt's 3,968"):
+        require_loaded(0, 4096, 128, "the 4k restore")  # a recompute, or a prefix-cache hit
+    with pytest.raises(FigureRefused):
+        require_loaded(0, 100, 128, "a prompt shorter than a block")  # nothing to load: nothing to time
