@@ -201,7 +201,8 @@ SECTIONS: tuple[Section, ...] = (
         F("power_wrong_bytes", "wrong bytes served after a cut", ZERO, True),
         F("power_start_crashes", "start-ups that failed after a cut", ZERO),
         F("power_catalog_wrong", "catalog rows unlike what was committed", ZERO),
-        F("power_window_losses", "losses beyond the write-behind window", ZERO),
+        F("power_window_losses", "block-states lost in the write-behind window (only in DRAM at the cut: "
+                                 "not acknowledged durable, counted apart)"),
         F("power_over_budget", "NVMe over its budget after a cut", ZERO),
         F("recorder_off_cpu_ratio", "write path's CPU through the file door vs bare calls", ("<=", 1.02)),
         F("recorder_off_cpu_bound", "the door's own cost per GiB written, bound", ("<=", 0.02)),
