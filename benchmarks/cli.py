@@ -45,7 +45,8 @@ def bench_faults(
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include load and disk faults against kvtier serve."),
     power: bool = typer.Option(False, "--power", help="Only power cuts: crash states built from recorded IO."),
     slow_disk: bool = typer.Option(False, "--slow-disk",
-                                   help="Only a disk slowed 10x while kvtier serve runs sessions (real vLLM)."),
+                                   help="Only a disk that turns slow (10x, then until loading loses) while "
+                                        "kvtier serve runs sessions (real vLLM)."),
     states: int = typer.Option(250, "--states", min=1, help="With --power: crash states per workload (--quick: 25)."),
 ) -> None:
     """Crashes (SIGKILL), corruption, DRAM pressure, hostile input, and load with disk faults on real vLLM;

@@ -9,7 +9,8 @@ loaded, nothing in vLLM's prefix cache, every prompt token computed); a turn tha
 nor recomputed (a prefix-cache hit: fast, and no evidence of anything) refuses the figures. Right
 after each turn a fresh prompt of the same length (no stored prefix) is timed: the turn's recompute
 reference, in the same server and minute. Phases: healthy; the disk slowed 10x; slowed ``factor``x
-(chosen so that loading from NVMe loses to recomputing); healthy again.
+(``heavy_factor``: at least 200x, and enough that a slowed load costs 3x a recompute measured on this
+box, so that loading from NVMe loses to recomputing whatever the CPU); healthy again.
 
 How the disk is slowed (``method``):
 * ``blkio``: a real throttle. The server's processes are moved into a cgroup v1 ``blkio`` group of
@@ -28,6 +29,7 @@ first turn that loaded from NVMe).
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import statistics
@@ -208,10 +210,18 @@ def _figures(rows: list[dict], marks: dict, factor: float) -> dict:
             "_slow_loaded_ratio_max": max((r["ratio"] for r in slow[:noticed_at]), default=None)}
 
 
+def heavy_factor(disk_bps: float, session_bytes: int, recompute_s: float, least: float = 200.0) -> float:
+    """The heavy slowdown: at least ``least``, and enough that reading a session's KV from the slowed
+    disk takes 3x its recompute here. A fixed 200x was chosen on a box whose CPU recomputes fast; on a
+    slower CPU a load at 200x still won (kvtier rightly kept loading) and the phase measured nothing."""
+    return float(max(least, math.ceil(3 * recompute_s * disk_bps / max(session_bytes, 1))))
+
+
 def run_slow_disk_bench(quick: bool = False, progress: Callable[[str], None] = print, method: str | None = None,
                         factor: float | None = None, model: str | None = None) -> dict:
     """``method``: ``blkio`` or ``injected`` (default: blkio where writable). ``factor``: the heavy
-    slowdown (default 200: enough for loads to lose on the tiny model here; 10x is not, see the docs)."""
+    slowdown (default: ``heavy_factor``, what makes a load cost 3x its recompute on this box)."""
+    from kvtier.bench.agents.regimes import kv_bytes_per_token
     from kvtier.launch.served import Served
     from kvtier.models.demo import ensure_demo_model
     from kvtier.plan.costmodel import measure_nvme_read_bps
@@ -219,8 +229,7 @@ def run_slow_disk_bench(quick: bool = False, progress: Callable[[str], None] = p
 
     model = str(model or ensure_demo_model("tiny", progress=progress))
     tokens = 4096 if quick else 8192
-    factor = float(factor or 200)
-    out: dict = {"_tokens_per_session": tokens, "_factor": factor}
+    out: dict = {"_tokens_per_session": tokens}
     with tempfile.TemporaryDirectory(prefix="kvtier-slowdisk-") as tmp:
         base = Path(tmp)
         (base / "nvme").mkdir()
@@ -235,10 +244,15 @@ def run_slow_disk_bench(quick: bool = False, progress: Callable[[str], None] = p
             os.environ.pop(FAULT_ENV) if saved is None else os.environ.__setitem__(FAULT_ENV, saved)
         cgroup = None
         try:
+            disk_bps, _how = measure_nvme_read_bps(base / "nvme", 64 << 20)
+            out.update(_disk_read_gbps=disk_bps / 1e9)
+            if factor is None:  # a fresh prompt of a session's length, recomputed: what a load must lose to
+                recompute_s = server.turn("probe", _prompt(999, tokens + 64), max_tokens=1)["seconds"]
+                factor = heavy_factor(disk_bps, kv_bytes_per_token(model) * (tokens + 64), recompute_s)
+                out.update(_factor_from={"recompute_s": round(recompute_s, 3), "disk_read_gbps": disk_bps / 1e9})
+            out["_factor"] = factor
             if method == "blkio":
-                disk_bps, _how = measure_nvme_read_bps(base / "nvme", 64 << 20)
                 cgroup = _Blkio(base / "nvme", _server_pids(server.proc.pid))
-                out.update(_disk_read_gbps=disk_bps / 1e9)
 
                 def slow(x: float) -> None:
                     cgroup.limit(0 if x <= 1 else int(disk_bps / x))

@@ -147,3 +147,14 @@ def test_turn_outcome_reads_kvtiers_record_of_the_turn():
     other = _row(3, "200x", 0, 0, 2.1)
     other["record"]["prompt_tokens"] = PROMPT - 64  # the session's previous turn, not this one
     assert turn_outcome(other) == "unexplained"
+
+
+def test_the_heavy_slowdown_makes_a_load_lose_on_this_box():
+    """At least 200x; more where the CPU recomputes slowly, so that a slowed load costs 3x its
+    recompute (a fixed 200x left loading ahead on a slower CPU, and the phase measured nothing)."""
+    from benchmarks.faults.slowdisk import heavy_factor
+
+    session = 8256 * 2048  # the tiny model's 2 KiB of KV a token
+    assert heavy_factor(1.5e9, session, 0.7) == 200  # a fast CPU: 200x already loses (2.3 s vs 0.7 s)
+    slow = heavy_factor(1.5e9, session, 2.6)  # a slower one: 200x would read in 2.2 s, under 2.6 s
+    assert slow > 200 and session * slow / 1.5e9 >= 3 * 2.6
